@@ -1,0 +1,61 @@
+#include "replica/core/system.h"
+
+#include "replica/core/error.h"
+
+#include <sched.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+
+namespace replica {
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  return 1;
+}
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+std::optional<int64_t> env_int(const char* name) {
+  auto v = env(name);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  long long x = std::strtoll(v->c_str(), &end, 10);
+  if (v->empty() || errno != 0 || end == nullptr || *end != '\0') {
+    fail("environment variable {}='{}' is not an integer", name, *v);
+  }
+  return static_cast<int64_t>(x);
+}
+
+std::string signal_name(int signo) {
+  switch (signo) {
+    case SIGHUP: return "SIGHUP";
+    case SIGINT: return "SIGINT";
+    case SIGQUIT: return "SIGQUIT";
+    case SIGILL: return "SIGILL";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGKILL: return "SIGKILL";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGPIPE: return "SIGPIPE";
+    case SIGALRM: return "SIGALRM";
+    case SIGTERM: return "SIGTERM";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGUSR2: return "SIGUSR2";
+    default: return "signal " + std::to_string(signo);
+  }
+}
+
+}  // namespace replica

@@ -1,0 +1,23 @@
+// Small facts about the host and the process environment, shared by every concern.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace replica {
+
+// Cores this process may run on (sched_getaffinity), at least 1.
+int usable_cores();
+
+// The environment variable, or nullopt when unset. Empty strings count as set.
+std::optional<std::string> env(const char* name);
+
+// Integer environment variable; nullopt when unset; replica::Error naming the variable when
+// it is set but not an integer.
+std::optional<int64_t> env_int(const char* name);
+
+// "SIGKILL", "SIGSEGV", ... for a signal number ("signal 42" when unnamed).
+std::string signal_name(int signo);
+
+}  // namespace replica

@@ -1,0 +1,89 @@
+// The run configuration: the AutoTrain-style YAML of PRODUCT.md, validated and resolved.
+//
+// Why one typed struct: every concern reads its knobs from here, and config.yaml in the
+// project directory is written back from it with every default filled in. Validation
+// happens entirely before any worker starts: an unknown key (with a "did you mean"
+// suggestion), a wrong type or a bad value is a replica::Error naming the file, line and key.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace replica::io {
+
+struct DataConfig {
+  std::string path;                         // image tasks default: /usr/share/datasets/fashion-mnist
+  std::string train_split = "train";
+  std::optional<std::string> valid_split;   // image tasks default: "t10k"; YAML null turns eval off
+  std::string chat_template = "tokenizer";  // tokenizer | chatml | llama3 | none
+  std::map<std::string, std::string> column_mapping;  // text_column: text, ...
+};
+
+struct Params {
+  // Run control (PRODUCT.md "Run-control keys").
+  std::string distributed_backend = "ddp";  // ddp | zero3 ("deepspeed" and null normalised)
+  int nproc_per_node = 0;                   // 0 = auto (usable cores on CPU)
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;                      // 0 = pick a free port (single node)
+  double rdzv_timeout = 300;                // seconds
+  double collective_timeout = 600;          // seconds
+  int max_restarts = 0;
+  bool deterministic = false;
+  std::string token;                        // never written back out
+
+  // Training loop.
+  int epochs = 1;
+  int64_t max_steps = -1;                   // > 0 wins over epochs
+  int batch_size = 64;                      // per worker, per micro-step
+  int gradient_accumulation = 1;
+  std::string mixed_precision = "fp32";     // fp32 | bf16
+  std::string optimizer = "adamw";          // sgd | adamw
+  double lr = 1e-3;
+  double momentum = 0.9;                    // sgd
+  double weight_decay = 0.0;
+  int64_t warmup_steps = 0;
+  double warmup_ratio = 0.0;                // used when warmup_steps == 0
+  std::string scheduler = "cosine";         // constant | linear | cosine
+  double max_grad_norm = 1.0;               // <= 0 disables clipping
+  bool shuffle = true;
+  int64_t seed = 42;
+  int64_t eval_every = 0;                   // steps; 0 = at the end of every epoch
+  int64_t checkpoint_every = 500;           // steps; 0 = no periodic checkpoints
+  int save_total_limit = 1;                 // checkpoints kept; <= 0 keeps all
+  int threads_per_worker = 0;               // 0 = cores / workers
+  int64_t logging_steps = 10;
+  bool overwrite = false;
+
+  // Image models.
+  std::vector<int64_t> hidden_sizes = {256, 128};
+};
+
+struct RunConfig {
+  std::string source;                       // the YAML file it came from ("" for flags)
+  std::string task = "image-classification";  // llm-sft | image-classification | two-tower
+  std::string backend = "local";
+  std::string model = "mlp";                // image tasks: mlp | resnet18
+  std::string base_model;                   // llm tasks
+  std::string project_name;
+  std::string log = "jsonl";                // none | jsonl | tensorboard
+  DataConfig data;
+  Params params;
+};
+
+// Parses and validates a YAML file; fills task-dependent defaults; checks that data.path
+// exists. Errors name "FILE:LINE: key 'params.lrr' ...".
+RunConfig load_config(const std::string& path);
+
+// Same, from YAML text (`source_name` is used in messages).
+RunConfig parse_config(const std::string& yaml_text, const std::string& source_name);
+
+// The resolved configuration as YAML, every default written out, the token left out.
+std::string to_yaml(const RunConfig& config);
+
+// Closest candidate by edit distance when it is close enough to be a likely typo, else "".
+std::string did_you_mean(const std::string& key, const std::vector<std::string>& candidates);
+
+}  // namespace replica::io

@@ -1,0 +1,53 @@
+// The launcher: torchrun's job in C++. Starts one worker process per slot with the
+// torchrun environment, watches them, and ends the group as a whole.
+//
+// Why it is strict: a distributed job with one dead worker hangs the rest inside a
+// collective. So the first worker to exit non-zero or die by a signal makes the launcher
+// stop every other worker (SIGTERM, then SIGKILL after a grace period), say which rank
+// failed and how, and exit non-zero. SIGINT/SIGTERM sent to the launcher reach every worker.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace replica::launch {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;        // 0: pick a free port on master_addr (single node only)
+  int max_restarts = 0;       // restarts of the whole group after a failure
+  double kill_grace_s = 3.0;  // SIGTERM -> SIGKILL delay when stopping workers
+  int threads_per_worker = 0; // 0: usable cores / nproc_per_node (at least 1); sets OMP_NUM_THREADS
+  std::vector<std::string> command;          // program and its arguments
+  std::map<std::string, std::string> env;    // extra variables for every worker
+};
+
+// How one worker ended.
+struct WorkerExit {
+  int rank = -1;
+  int local_rank = -1;
+  int pid = -1;
+  bool signaled = false;
+  int code = 0;  // exit code, or the signal number when signaled
+  std::string describe() const;  // "rank 1 (pid 123) exited with code 3" / "... was killed by SIGKILL"
+};
+
+// Runs the job to completion. Returns the launcher's exit code: 0 when every worker
+// exited 0; otherwise the failed worker's exit code (128 + signal for a signal), after
+// logging the failure to stderr. Every worker gets RANK, LOCAL_RANK, WORLD_SIZE,
+// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, REPLICA_RESTART_COUNT,
+// OMP_NUM_THREADS (unless already set by the user), REPLICA_THREADS_PER_WORKER.
+int run(const LaunchOptions& options);
+
+// "auto" -> usable cores; a positive integer -> itself; otherwise replica::Error.
+// More than 4 workers per usable core is an error naming the limit.
+int resolve_nproc(const std::string& spec);
+
+// A TCP port that is free on `addr` right now (bind to port 0 and read it back).
+int find_free_port(const std::string& addr = "127.0.0.1");
+
+}  // namespace replica::launch
