@@ -1,0 +1,193 @@
+// Every c10d call whose shape differs between LibTorch 1.13 and 2.x lives here.
+#include "replica/dist/c10d_compat.h"
+
+#include "replica/core/error.h"
+#include "replica/core/system.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
+
+namespace replica::dist {
+
+// ---- Work ---------------------------------------------------------------------------------
+
+struct Work::Impl {
+  c10::intrusive_ptr<c10d::Work> work;
+  int rank = 0;
+  const char* what = "collective";
+};
+
+void Work::wait() {
+  if (!impl_) return;
+  try {
+    impl_->work->wait();
+  } catch (const std::exception& e) {
+    fail("rank {}: {} failed: {}", impl_->rank, impl_->what, e.what());
+  }
+}
+
+bool Work::done() const { return !impl_ || impl_->work->isCompleted(); }
+
+// ---- ProcessGroup -------------------------------------------------------------------------
+
+// LibTorch 1.13: ProcessGroupGloo derives from c10d::ProcessGroup.
+// LibTorch 2.x: it derives from c10d::Backend; both expose the same collective calls, so the
+// pointer type is the only difference.
+#if TORCH_VERSION_MAJOR >= 2
+using GlooPtr = c10::intrusive_ptr<c10d::Backend>;
+#else
+using GlooPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+#endif
+
+struct ProcessGroup::Impl {
+  GlooPtr backend;                     // null for world size 1
+  c10::intrusive_ptr<c10d::Store> store;
+  std::chrono::milliseconds timeout{600'000};
+};
+
+ProcessGroup::ProcessGroup(WorldInfo world, std::unique_ptr<Impl> impl)
+    : world_(std::move(world)), impl_(std::move(impl)) {}
+
+ProcessGroup::ProcessGroup(WorldInfo world) : world_(std::move(world)) {}
+
+ProcessGroup::~ProcessGroup() = default;
+
+namespace {
+
+template <typename F>
+auto guarded(int rank, const char* what, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const replica::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("rank {}: {} failed: {}", rank, what, e.what());
+  }
+}
+
+}  // namespace
+
+Work ProcessGroup::allreduce_sum(torch::Tensor& tensor) {
+  if (!impl_ || !impl_->backend) return Work();
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = guarded(rank(), "all-reduce", [&] {
+    return impl_->backend->allreduce(tensors, c10d::AllreduceOptions{});
+  });
+  return Work(std::make_shared<Work::Impl>(Work::Impl{work, rank(), "all-reduce"}));
+}
+
+void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root) {
+  if (!impl_ || !impl_->backend) return;
+  guarded(rank(), "broadcast", [&] {
+    for (auto& t : tensors) {
+      std::vector<at::Tensor> one{t};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = root;
+      impl_->backend->broadcast(one, opts)->wait();
+    }
+  });
+}
+
+void ProcessGroup::allgather(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
+  if (!impl_ || !impl_->backend) {
+    out.assign(1, in.clone());
+    return;
+  }
+  guarded(rank(), "all-gather", [&] {
+    out.clear();
+    for (int r = 0; r < size(); ++r) out.push_back(torch::empty_like(in));
+    std::vector<std::vector<at::Tensor>> outputs{out};
+    std::vector<at::Tensor> inputs{in.contiguous()};
+    impl_->backend->allgather(outputs, inputs)->wait();
+    out = outputs[0];
+  });
+}
+
+void ProcessGroup::barrier() {
+  if (!impl_ || !impl_->backend) return;
+  guarded(rank(), "barrier", [&] { impl_->backend->barrier()->wait(); });
+}
+
+void ProcessGroup::store_set(const std::string& key, const std::string& value) {
+  if (!impl_ || !impl_->store) return;
+  guarded(rank(), "store set", [&] {
+    impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  });
+}
+
+std::string ProcessGroup::store_get(const std::string& key) {
+  if (!impl_ || !impl_->store) fail("store_get('{}') needs a distributed process group", key);
+  return guarded(rank(), "store get", [&] {
+    auto v = impl_->store->get(key);
+    return std::string(v.begin(), v.end());
+  });
+}
+
+// ---- construction -------------------------------------------------------------------------
+
+namespace detail {
+namespace {
+
+class TcpStoreHandle final : public Store {
+ public:
+  explicit TcpStoreHandle(c10::intrusive_ptr<c10d::Store> s) : store(std::move(s)) {}
+  void set(const std::string& key, const std::string& value) override {
+    store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key) override {
+    auto v = store->get(key);
+    return std::string(v.begin(), v.end());
+  }
+  bool check(const std::vector<std::string>& keys) override { return store->check(keys); }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    store->wait(keys, timeout);
+  }
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+}  // namespace
+
+std::shared_ptr<Store> make_tcp_store(const std::string& host, int port, bool is_server,
+                                      int world_size, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(port);
+  opts.isServer = is_server;
+  opts.numWorkers = world_size;
+  opts.waitWorkers = false;  // replica's own check-in names the ranks that never arrive
+  opts.timeout = timeout;
+  return std::make_shared<TcpStoreHandle>(c10::make_intrusive<c10d::TCPStore>(host, opts));
+}
+
+std::shared_ptr<ProcessGroup> make_process_group(const std::shared_ptr<Store>& store,
+                                                 const std::string& prefix,
+                                                 const WorldInfo& world,
+                                                 const ProcessGroupOptions& options) {
+  auto tcp = std::dynamic_pointer_cast<TcpStoreHandle>(store);
+  if (!tcp) fail("internal: process group needs a TCP store");
+  if (options.backend != "gloo") {
+    fail("distributed backend '{}' is not available in this build (available: gloo)",
+         options.backend);
+  }
+  auto pg_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "gloo/", tcp->store);
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.collective_timeout);
+  // The interface Gloo's sockets use: GLOO_SOCKET_IFNAME wins (as in PyTorch); a loopback
+  // rendezvous means a single-host job, so stay on loopback; else the host's own address.
+  if (auto ifname = env("GLOO_SOCKET_IFNAME"); ifname && !ifname->empty()) {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(*ifname));
+  } else if (world.master_addr.rfind("127.", 0) == 0 || world.master_addr == "localhost") {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  auto impl = std::make_unique<ProcessGroup::Impl>();
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix + "user/", tcp->store);
+  impl->timeout = options.collective_timeout;
+  impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, world.rank,
+                                                               world.world_size, gloo_options);
+  return std::make_shared<ProcessGroup>(world, std::move(impl));
+}
+
+}  // namespace detail
+}  // namespace replica::dist

@@ -1,0 +1,35 @@
+// Internal: the only place that touches c10d types. LibTorch 1.13 (Debian) and 2.x differ in
+// how process groups are built (1.13: ProcessGroupGloo is a ProcessGroup; 2.x: a Backend
+// behind ProcessGroup) and in the NCCL build; everything version-specific is in
+// c10d_compat.cpp so the rest of replica never names a c10d class.
+#pragma once
+
+#include "replica/dist/process_group.h"
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace replica::dist::detail {
+
+// A key-value store handle, type-erased so callers need no c10d header.
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  virtual std::string get(const std::string& key) = 0;
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+};
+
+// Rank 0 (is_server) hosts the TCPStore; others connect, retrying up to `timeout`.
+std::shared_ptr<Store> make_tcp_store(const std::string& host, int port, bool is_server,
+                                      int world_size, std::chrono::milliseconds timeout);
+
+// The process group with its collective backend on a rendezvous store (keys under `prefix`).
+std::shared_ptr<ProcessGroup> make_process_group(const std::shared_ptr<Store>& store,
+                                                 const std::string& prefix,
+                                                 const WorldInfo& world,
+                                                 const ProcessGroupOptions& options);
+
+}  // namespace replica::dist::detail

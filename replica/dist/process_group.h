@@ -1,0 +1,77 @@
+// The process group: rendezvous plus collectives, over LibTorch's c10d.
+//
+// Rendezvous is env:// style: rank 0 hosts a c10d TCPStore on MASTER_ADDR:MASTER_PORT, every
+// rank checks in, and only when all have joined is the Gloo process group built on it. A rank
+// that never arrives is named in the error rank 0 raises after the rendezvous timeout; a port
+// already in use is named as such. Every c10d call that differs between LibTorch 1.13 and
+// 2.x lives in c10d_compat.cpp.
+#pragma once
+
+#include "replica/dist/world.h"
+
+#include <torch/types.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace replica::dist {
+
+struct ProcessGroupOptions {
+  std::chrono::milliseconds rdzv_timeout{300'000};
+  std::chrono::milliseconds collective_timeout{600'000};
+  std::string backend = "gloo";  // gloo (CPU); nccl where LibTorch has CUDA
+};
+
+// An asynchronous collective in flight. wait() blocks until it is done and rethrows a
+// failure (a dead peer, a timeout) as replica::Error.
+class Work {
+ public:
+  struct Impl;
+  Work() = default;
+  explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  void wait();
+  bool done() const;
+  bool valid() const { return impl_ != nullptr; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+class ProcessGroup {
+ public:
+  struct Impl;
+  explicit ProcessGroup(WorldInfo world);  // world size 1: collectives are no-ops
+  ProcessGroup(WorldInfo world, std::unique_ptr<Impl> impl);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return world_.rank; }
+  int size() const { return world_.world_size; }
+  const WorldInfo& world() const { return world_; }
+
+  // In-place sum across ranks. Asynchronous: the tensor must not be touched until wait().
+  Work allreduce_sum(torch::Tensor& tensor);
+  // In-place: every rank ends with root's values.
+  void broadcast(std::vector<torch::Tensor>& tensors, int root = 0);
+  // out[r] = rank r's `in` (same shape on every rank).
+  void allgather(std::vector<torch::Tensor>& out, const torch::Tensor& in);
+  void barrier();
+
+  // Key-value store of the rendezvous (small control messages, e.g. bucket orders).
+  void store_set(const std::string& key, const std::string& value);
+  std::string store_get(const std::string& key);
+
+ private:
+  WorldInfo world_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Rendezvous and build the group. world_size 1 gives a group whose collectives are no-ops
+// and that opens no socket.
+std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
+                                                 const ProcessGroupOptions& options = {});
+
+}  // namespace replica::dist

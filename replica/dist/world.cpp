@@ -1,0 +1,80 @@
+#include "replica/dist/world.h"
+
+#include "replica/core/error.h"
+#include "replica/core/system.h"
+
+namespace replica::dist {
+namespace {
+
+int required_int(const char* name) {
+  auto v = env_int(name);
+  if (!v) fail("environment variable {} is not set", name);
+  return static_cast<int>(*v);
+}
+
+int int_or(const char* name, int fallback) {
+  auto v = env_int(name);
+  return v ? static_cast<int>(*v) : fallback;
+}
+
+void read_master(WorldInfo& w) {
+  if (auto a = env("MASTER_ADDR")) w.master_addr = *a;
+  if (auto p = env_int("MASTER_PORT")) w.master_port = static_cast<int>(*p);
+}
+
+void validate(const WorldInfo& w, const char* rank_var, const char* size_var) {
+  if (w.world_size < 1) fail("{}={} must be at least 1", size_var, w.world_size);
+  if (w.rank < 0 || w.rank >= w.world_size) {
+    fail("{}={} is outside the world of {}={} ranks", rank_var, w.rank, size_var, w.world_size);
+  }
+  if (w.local_world_size < 1 || w.local_rank < 0 || w.local_rank >= w.local_world_size) {
+    fail("local rank {} is outside the local world of {} ranks", w.local_rank, w.local_world_size);
+  }
+  if (w.master_port < 1 || w.master_port > 65535) {
+    fail("MASTER_PORT={} is not a TCP port (1..65535)", w.master_port);
+  }
+}
+
+}  // namespace
+
+std::optional<WorldInfo> world_from_env() {
+  WorldInfo w;
+  if (env("RANK") || env("WORLD_SIZE")) {
+    // torchrun / replica launch.
+    w.rank = required_int("RANK");
+    w.world_size = required_int("WORLD_SIZE");
+    w.local_rank = int_or("LOCAL_RANK", w.rank);
+    w.local_world_size = int_or("LOCAL_WORLD_SIZE", w.world_size);
+    w.node_rank = int_or("GROUP_RANK", 0);
+    w.restart_count = int_or("REPLICA_RESTART_COUNT", int_or("TORCHELASTIC_RESTART_COUNT", 0));
+    w.launched_by = "torchrun-env";
+    read_master(w);
+    validate(w, "RANK", "WORLD_SIZE");
+    return w;
+  }
+  if (env("OMPI_COMM_WORLD_RANK")) {
+    w.rank = required_int("OMPI_COMM_WORLD_RANK");
+    w.world_size = required_int("OMPI_COMM_WORLD_SIZE");
+    w.local_rank = int_or("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    w.local_world_size = int_or("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+    w.node_rank = int_or("OMPI_COMM_WORLD_NODE_RANK", 0);
+    w.launched_by = "mpirun";
+    read_master(w);
+    validate(w, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    return w;
+  }
+  if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+    w.rank = required_int("SLURM_PROCID");
+    w.world_size = required_int("SLURM_NTASKS");
+    w.local_rank = int_or("SLURM_LOCALID", 0);
+    w.local_world_size = int_or("SLURM_NTASKS_PER_NODE", int_or("SLURM_TASKS_PER_NODE", 1));
+    w.node_rank = int_or("SLURM_NODEID", 0);
+    w.launched_by = "slurm";
+    read_master(w);
+    validate(w, "SLURM_PROCID", "SLURM_NTASKS");
+    return w;
+  }
+  return std::nullopt;
+}
+
+}  // namespace replica::dist

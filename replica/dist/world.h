@@ -1,0 +1,33 @@
+// Who this process is in the job: rank, world size, node and rendezvous address.
+//
+// Read from the environment the way torchrun sets it (RANK, LOCAL_RANK, WORLD_SIZE,
+// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT); under mpirun the same facts come
+// from OMPI_COMM_WORLD_*, under Slurm from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/...
+#pragma once
+
+#include <optional>
+#include <string>
+
+namespace replica::dist {
+
+struct WorldInfo {
+  int rank = 0;
+  int local_rank = 0;
+  int world_size = 1;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int restart_count = 0;
+  std::string launched_by = "none";  // torchrun-env | mpirun | slurm | none
+
+  bool is_distributed() const { return world_size > 1; }
+  bool is_main() const { return rank == 0; }
+};
+
+// The worker's identity from the environment, or nullopt when no launcher set one
+// (no RANK/WORLD_SIZE, no OMPI_COMM_WORLD_*, no SLURM_PROCID). Inconsistent values
+// (RANK >= WORLD_SIZE, a non-integer) are a replica::Error naming the variable.
+std::optional<WorldInfo> world_from_env();
+
+}  // namespace replica::dist
