@@ -1,0 +1,284 @@
+#include "replica/ddp/ddp.h"
+
+#include "replica/core/error.h"
+#include "replica/ddp/bucketing.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <c10/util/strides.h>
+#include <torch/torch.h>
+
+#include <numeric>
+
+namespace replica::ddp {
+
+CommHook allreduce_average_hook() {
+  return [](dist::ProcessGroup& pg, GradBucket& bucket) -> std::function<void()> {
+    // Divide first (PyTorch's default): the sum of averages cannot overflow fp16/bf16.
+    bucket.buffer.div_(pg.size());
+    auto work = std::make_shared<dist::Work>(pg.allreduce_sum(bucket.buffer));
+    return [work] { work->wait(); };
+  };
+}
+
+namespace {
+
+// Same-kind tensors share a bucket; one flat broadcast per kind on construction.
+std::string kind_of(const torch::Tensor& t) {
+  return std::string(c10::toString(t.scalar_type())) + "@" + t.device().str();
+}
+
+void broadcast_coalesced(dist::ProcessGroup& pg, const std::vector<torch::Tensor>& tensors) {
+  std::map<std::string, std::vector<torch::Tensor>> by_kind;
+  for (const auto& t : tensors) by_kind[kind_of(t)].push_back(t);
+  for (auto& [kind, group] : by_kind) {
+    std::vector<torch::Tensor> flat_parts;
+    for (auto& t : group) flat_parts.push_back(t.detach().reshape({-1}));
+    std::vector<torch::Tensor> flat{torch::cat(flat_parts)};
+    pg.broadcast(flat, 0);
+    int64_t offset = 0;
+    torch::NoGradGuard no_grad;
+    for (auto& t : group) {
+      t.detach().copy_(flat[0].slice(0, offset, offset + t.numel()).view_as(t));
+      offset += t.numel();
+    }
+  }
+}
+
+// A tensor over part of the bucket's storage. Deliberately not an autograd view
+// (slice().view()): optimizers call grad.detach_(), which LibTorch refuses on views.
+torch::Tensor bucket_view(const torch::Tensor& buffer, int64_t offset, c10::IntArrayRef sizes) {
+  torch::Tensor t = torch::empty({0}, buffer.options());
+  t.set_(buffer.storage(), buffer.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+
+// Whether .grad already lives at its place in the bucket.
+bool is_bucket_view(const torch::Tensor& grad, const torch::Tensor& view) {
+  return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
+         grad.is_contiguous();
+}
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 std::shared_ptr<dist::ProcessGroup> pg,
+                                                 DDPOptions options)
+    : module_(std::move(module)), pg_(std::move(pg)), options_(options),
+      hook_(allreduce_average_hook()) {
+  if (!module_) fail("DistributedDataParallel needs a module");
+  if (!pg_) fail("DistributedDataParallel needs a process group");
+
+  // Identical replicas: everything rank 0 has, every rank has.
+  std::vector<torch::Tensor> state;
+  for (auto& p : module_->parameters()) state.push_back(p);
+  for (auto& b : module_->buffers()) state.push_back(b);
+  if (pg_->size() > 1 && !state.empty()) broadcast_coalesced(*pg_, state);
+
+  for (auto& item : module_->named_parameters()) {
+    if (!item.value().requires_grad()) continue;  // frozen: never synced
+    params_.push_back(item.value());
+    names_.push_back(item.key());
+  }
+  if (pg_->size() <= 1) return;  // world size 1: no hooks, no buckets, no cost
+
+  std::vector<size_t> reverse(params_.size());
+  std::iota(reverse.rbegin(), reverse.rend(), 0);
+  std::vector<ParamInfo> infos;
+  for (auto& p : params_) infos.push_back({static_cast<size_t>(p.numel() * p.element_size()), kind_of(p)});
+  build_buckets(assign_buckets(infos, reverse,
+                               static_cast<size_t>(options_.first_bucket_cap_mb * 1024 * 1024),
+                               static_cast<size_t>(options_.bucket_cap_mb * 1024 * 1024)));
+  ready_.assign(params_.size(), false);
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
+          mark_ready(i);
+          return outputs;
+        }));
+    grad_accumulators_.push_back(std::move(acc));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  // The hooks capture `this`; drop them with the accumulators we own. Anything still in
+  // flight is waited for, so no collective outlives the buffers it writes.
+  for (auto& b : buckets_) {
+    if (b.complete) {
+      try {
+        b.complete();
+      } catch (...) {
+      }
+    }
+  }
+  for (auto& acc : grad_accumulators_) acc->post_hooks().clear();
+}
+
+void DistributedDataParallel::register_comm_hook(CommHook hook) {
+  if (!hook) fail("register_comm_hook: empty hook");
+  hook_ = std::move(hook);
+}
+
+std::vector<std::vector<size_t>> DistributedDataParallel::bucket_assignment() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+void DistributedDataParallel::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
+  torch::NoGradGuard no_grad;
+  std::vector<Bucket> buckets(assignment.size());
+  slots_.assign(params_.size(), Slot{});
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket& bucket = buckets[b];
+    bucket.params = assignment[b];
+    int64_t total = 0;
+    for (size_t p : bucket.params) total += params_[p].numel();
+    const auto& first = params_[bucket.params.front()];
+    bucket.buffer = torch::zeros({total}, first.options().requires_grad(false));
+    int64_t offset = 0;
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      auto& p = params_[bucket.params[k]];
+      auto view = bucket_view(bucket.buffer, offset, p.sizes());
+      offset += p.numel();
+      // Gradients live in the bucket from now on: keep what was accumulated so far.
+      if (p.grad().defined()) view.copy_(p.grad());
+      if (p.grad().defined() || !buckets_.empty()) p.mutable_grad() = view;
+      bucket.views.push_back(view);
+      slots_[bucket.params[k]] = Slot{b, k};
+    }
+    bucket.pending = bucket.params.size();
+  }
+  buckets_ = std::move(buckets);
+}
+
+void DistributedDataParallel::mark_ready(size_t param) {
+  if (!sync_enabled_) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+  }
+  if (ready_[param]) return;
+  ready_[param] = true;
+  if (!rebuilt_) arrival_order_.push_back(param);
+
+  const Slot slot = slots_[param];
+  Bucket& bucket = buckets_[slot.bucket];
+  auto& p = params_[param];
+  auto& view = bucket.views[slot.position];
+  // The optimizer may have reset .grad to undefined, or the user replaced it: bring the
+  // gradient into the bucket and make .grad the view again.
+  if (!is_bucket_view(p.grad(), view)) {
+    torch::NoGradGuard no_grad;
+    view.copy_(p.grad());
+    p.mutable_grad() = view;
+  }
+  if (--bucket.pending == 0) launch_ready_buckets();
+}
+
+void DistributedDataParallel::launch_ready_buckets() {
+  // Strictly in bucket order: collectives must be issued in the same order on every rank.
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    Bucket& bucket = buckets_[next_bucket_];
+    GradBucket view{next_bucket_, bucket.buffer, bucket.params, next_bucket_ + 1 == buckets_.size()};
+    bucket.complete = hook_(*pg_, view);
+    ++next_bucket_;
+  }
+}
+
+void DistributedDataParallel::finalize_backward() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (next_bucket_ < buckets_.size()) {
+    std::vector<size_t> missing;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!ready_[i]) missing.push_back(i);
+    }
+    if (!options_.find_unused_parameters) {
+      std::string names;
+      for (size_t k = 0; k < missing.size() && k < 20; ++k) names += (k ? ", " : "") + names_[missing[k]];
+      if (missing.size() > 20) names += fmt::format(", ... ({} in all)", missing.size());
+      reset_iteration();
+      fail("rank {}: DistributedDataParallel: {} parameter{} received no gradient in this "
+           "backward pass: {}. Set find_unused_parameters to true if parts of the model are "
+           "unused in some steps, or freeze them (requires_grad false).",
+           pg_->rank(), missing.size(), missing.size() == 1 ? "" : "s", names);
+    }
+    // Unused here (maybe used on another rank): contribute zeros so the all-reduce matches.
+    torch::NoGradGuard no_grad;
+    for (size_t i : missing) {
+      const Slot slot = slots_[i];
+      Bucket& bucket = buckets_[slot.bucket];
+      auto& view = bucket.views[slot.position];
+      auto& p = params_[i];
+      if (p.grad().defined() && !is_bucket_view(p.grad(), view)) {
+        view.copy_(p.grad());
+      } else if (!p.grad().defined()) {
+        view.zero_();
+      }
+      p.mutable_grad() = view;
+      ready_[i] = true;
+      if (!rebuilt_) arrival_order_.push_back(i);
+      --bucket.pending;
+    }
+    launch_ready_buckets();
+  }
+  // The optimizer step needs every bucket: wait for those still in flight (in order).
+  for (auto& bucket : buckets_) {
+    if (bucket.complete) {
+      auto complete = std::move(bucket.complete);
+      bucket.complete = nullptr;
+      complete();
+    }
+  }
+  const bool rebuild = !rebuilt_;
+  reset_iteration();
+  if (rebuild) rebuild_buckets();
+}
+
+void DistributedDataParallel::reset_iteration() {
+  callback_queued_ = false;
+  next_bucket_ = 0;
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.complete = nullptr;
+  }
+}
+
+void DistributedDataParallel::rebuild_buckets() {
+  // Rank 0's arrival order, so every rank builds the same buckets.
+  torch::Tensor order = torch::empty({static_cast<int64_t>(params_.size())}, torch::kLong);
+  if (arrival_order_.size() == params_.size()) {
+    for (size_t i = 0; i < arrival_order_.size(); ++i) order[i] = static_cast<int64_t>(arrival_order_[i]);
+  } else {
+    // Should not happen (finalize marks every parameter); keep the current order.
+    int64_t k = 0;
+    for (auto& b : buckets_)
+      for (size_t p : b.params) order[k++] = static_cast<int64_t>(p);
+  }
+  std::vector<torch::Tensor> msg{order};
+  pg_->broadcast(msg, 0);
+  std::vector<size_t> agreed(params_.size());
+  auto acc = msg[0].accessor<int64_t, 1>();
+  for (size_t i = 0; i < agreed.size(); ++i) agreed[i] = static_cast<size_t>(acc[i]);
+  std::vector<ParamInfo> infos;
+  for (auto& p : params_) infos.push_back({static_cast<size_t>(p.numel() * p.element_size()), kind_of(p)});
+  build_buckets(assign_buckets(infos, agreed,
+                               static_cast<size_t>(options_.first_bucket_cap_mb * 1024 * 1024),
+                               static_cast<size_t>(options_.bucket_cap_mb * 1024 * 1024)));
+  rebuilt_ = true;
+  arrival_order_.clear();
+}
+
+void DistributedDataParallel::pre_forward() {
+  if (!options_.broadcast_buffers || pg_->size() <= 1) return;
+  auto buffers = module_->buffers();
+  if (!buffers.empty()) broadcast_coalesced(*pg_, buffers);
+}
+
+}  // namespace replica::ddp

@@ -1,0 +1,143 @@
+// replica::ddp::DistributedDataParallel: PyTorch's DDP for any torch::nn::Module.
+//
+// What it does, and why:
+// - On construction, rank 0's parameters and buffers are broadcast so every replica starts
+//   identical.
+// - Gradients are averaged across ranks with all-reduce on flat buckets (bucket_cap_mb,
+//   25 MiB; the first bucket 1 MiB) filled in reverse parameter order. A post-hook on each
+//   parameter's gradient accumulator marks it ready; the moment a bucket's last gradient is
+//   in, its all-reduce is launched asynchronously, so communication overlaps the rest of the
+//   backward pass. Buckets launch strictly in bucket order, because every rank must issue
+//   collectives in the same order. After the first step the buckets are rebuilt once in the
+//   order gradients actually arrived (rank 0's order, so all ranks agree).
+// - Each parameter's .grad is a view into its bucket (gradient_as_bucket_view), so there is
+//   no copy in or out; an optimizer that resets grads to undefined only costs one copy.
+// - At the end of backward (an autograd engine callback) the step waits only for the
+//   buckets still in flight. A parameter that got no gradient is an error naming it, unless
+//   find_unused_parameters is on. Frozen parameters (requires_grad false) are never synced.
+// - no_sync() suspends communication: gradients accumulate locally until a backward
+//   outside the scope syncs the sum.
+// - World size 1 installs no hooks: it costs nothing over plain training.
+//
+// Usage:
+//   auto ddp = replica::ddp::DistributedDataParallel(model.ptr(), process_group);
+//   auto loss = loss_fn(model->forward(x), y);
+//   loss.backward();                 // all-reduce overlaps this
+//   optimizer.step();                // gradients are already averaged
+//
+// Thread-safety: one training thread per instance; hooks may run on autograd threads.
+#pragma once
+
+#include "replica/dist/process_group.h"
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace replica::ddp {
+
+struct DDPOptions {
+  double bucket_cap_mb = 25.0;
+  double first_bucket_cap_mb = 1.0;
+  bool find_unused_parameters = false;
+  bool broadcast_buffers = true;  // pre_forward() re-broadcasts rank 0's buffers
+};
+
+// One bucket as a communication hook sees it.
+struct GradBucket {
+  size_t index = 0;
+  torch::Tensor buffer;                 // flat, all gradients of the bucket
+  std::vector<size_t> parameter_indices;
+  bool is_last = false;
+};
+
+// A communication hook starts the reduction of bucket.buffer and returns a function that
+// completes it: when that function returns, bucket.buffer holds the averaged gradients.
+// The default hook divides by the world size and all-reduces (PyTorch's allreduce_hook).
+using CommHook = std::function<std::function<void()>(dist::ProcessGroup&, GradBucket&)>;
+CommHook allreduce_average_hook();
+
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                          std::shared_ptr<dist::ProcessGroup> process_group,
+                          DDPOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  torch::nn::Module& module() { return *module_; }
+  std::shared_ptr<torch::nn::Module> module_ptr() { return module_; }
+  dist::ProcessGroup& process_group() { return *pg_; }
+
+  // Call before each forward when the model has buffers (BatchNorm running stats):
+  // broadcasts rank 0's buffers, as PyTorch DDP does at every forward.
+  void pre_forward();
+
+  // While the returned guard lives, backward passes do not communicate.
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp) : ddp_(&ddp) { ddp_->sync_enabled_ = false; }
+    NoSync(NoSync&& other) noexcept : ddp_(other.ddp_) { other.ddp_ = nullptr; }
+    ~NoSync() {
+      if (ddp_) ddp_->sync_enabled_ = true;
+    }
+
+   private:
+    DistributedDataParallel* ddp_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  void register_comm_hook(CommHook hook);
+
+  // Buckets as indices into trainable_parameters(), in launch order (for tests and logs).
+  std::vector<std::vector<size_t>> bucket_assignment() const;
+  const std::vector<std::string>& trainable_parameter_names() const { return names_; }
+  bool buckets_rebuilt() const { return rebuilt_; }
+
+ private:
+  struct Bucket {
+    torch::Tensor buffer;
+    std::vector<size_t> params;      // indices into params_
+    std::vector<torch::Tensor> views;  // one per member, shaped like the parameter
+    size_t pending = 0;
+    std::function<void()> complete;  // set once launched
+  };
+  struct Slot {
+    size_t bucket = 0;
+    size_t position = 0;  // within the bucket
+  };
+
+  void build_buckets(const std::vector<std::vector<size_t>>& assignment);
+  void mark_ready(size_t param);
+  void launch_ready_buckets();
+  void finalize_backward();
+  void reset_iteration();
+  void rebuild_buckets();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<dist::ProcessGroup> pg_;
+  DDPOptions options_;
+  CommHook hook_;
+
+  std::vector<torch::Tensor> params_;  // trainable (requires_grad) parameters
+  std::vector<std::string> names_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // keep hooks alive
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;
+
+  std::mutex mutex_;
+  bool sync_enabled_ = true;
+  bool callback_queued_ = false;
+  std::vector<bool> ready_;
+  size_t next_bucket_ = 0;
+  bool rebuilt_ = false;
+  std::vector<size_t> arrival_order_;
+};
+
+}  // namespace replica::ddp

@@ -1,0 +1,255 @@
+// DDP against single-process training, with real worker processes started by the launcher.
+//
+// Each scenario runs on every rank: the rank trains a DDP replica on its share of each
+// global batch while, in the same process, a reference copy trains on the whole global batch
+// without any communication. DDP is right when both end with the same parameters.
+#include "replica/core/error.h"
+#include "replica/ddp/ddp.h"
+#include "replica/dist/process_group.h"
+#include "replica/launch/launcher.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iostream>
+
+using replica::ddp::DDPOptions;
+using replica::ddp::DistributedDataParallel;
+
+namespace {
+
+// Four Linear layers so that a tiny bucket cap yields several buckets.
+struct NetImpl : torch::nn::Module {
+  NetImpl(bool with_unused_branch = false) {
+    fc1 = register_module("fc1", torch::nn::Linear(20, 64));
+    fc2 = register_module("fc2", torch::nn::Linear(64, 64));
+    fc3 = register_module("fc3", torch::nn::Linear(64, 32));
+    head = register_module("head", torch::nn::Linear(32, 10));
+    if (with_unused_branch) unused = register_module("unused", torch::nn::Linear(32, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(fc1(x));
+    x = torch::tanh(fc2(x));
+    x = torch::relu(fc3(x));
+    return head(x);
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, head{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+// The global batch of step `step`, identical on every rank.
+Batch global_batch(int step, int64_t size) {
+  torch::manual_seed(1000 + step);
+  return {torch::randn({size, 20}), torch::randint(0, 10, {size})};
+}
+
+Batch shard(const Batch& b, int rank, int world) {
+  const int64_t n = b.x.size(0) / world;
+  return {b.x.slice(0, rank * n, (rank + 1) * n), b.y.slice(0, rank * n, (rank + 1) * n)};
+}
+
+double max_abs_diff(torch::nn::Module& a, torch::nn::Module& b) {
+  auto pa = a.parameters();
+  auto pb = b.parameters();
+  double worst = 0;
+  for (size_t i = 0; i < pa.size(); ++i) {
+    worst = std::max(worst, (pa[i] - pb[i]).abs().max().item<double>());
+  }
+  return worst;
+}
+
+std::shared_ptr<replica::dist::ProcessGroup> group() {
+  auto world = replica::dist::world_from_env();
+  if (!world) replica::fail("worker started without RANK/WORLD_SIZE");
+  return replica::dist::init_process_group(*world);
+}
+
+int check(bool ok, const std::string& what) {
+  if (!ok) std::cerr << "worker check failed: " << what << "\n";
+  return ok ? 0 : 1;
+}
+
+// (a) world W with per-rank batch B/W equals world 1 with batch B after 20 SGD steps.
+int sgd_equivalence() {
+  auto pg = group();
+  torch::manual_seed(pg->rank());  // different init per rank: the broadcast must fix it
+  Net model;
+  DDPOptions opts;
+  opts.bucket_cap_mb = 0.01;  // ~2.6k floats: several buckets
+  opts.first_bucket_cap_mb = 0.002;
+  DistributedDataParallel ddp(model.ptr(), pg, opts);
+  Net reference;
+  {
+    torch::NoGradGuard g;
+    auto src = model->parameters();
+    auto dst = reference->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const int64_t global = 48;  // divisible by 2 and 3
+  for (int step = 0; step < 20; ++step) {
+    Batch b = global_batch(step, global);
+    Batch mine = shard(b, pg->rank(), pg->size());
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(mine.x), mine.y).backward();
+    opt.step();
+    ref_opt.zero_grad();
+    torch::nn::functional::cross_entropy(reference->forward(b.x), b.y).backward();
+    ref_opt.step();
+  }
+  const double diff = max_abs_diff(*model, *reference);
+  std::cerr << "rank " << pg->rank() << " sgd_equivalence max_abs_diff=" << diff
+            << " buckets=" << ddp.bucket_assignment().size() << "\n";
+  return check(diff <= 1e-5, "parameters within 1e-5 of single-process training") +
+         check(ddp.bucket_assignment().size() >= 3, "several buckets") +
+         check(ddp.buckets_rebuilt(), "buckets rebuilt after the first step");
+}
+
+// (b) gradient accumulation under no_sync equals one large batch.
+int no_sync_accumulation() {
+  auto pg = group();
+  torch::manual_seed(0);
+  Net model;
+  DistributedDataParallel ddp(model.ptr(), pg);
+  torch::manual_seed(0);
+  Net reference;
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+  const int micro = 4;
+  const int64_t micro_global = 16;  // per micro-step, across ranks
+  for (int step = 0; step < 5; ++step) {
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      Batch b = shard(global_batch(step * micro + m, micro_global), pg->rank(), pg->size());
+      auto loss = torch::nn::functional::cross_entropy(model->forward(b.x), b.y) / micro;
+      if (m + 1 < micro) {
+        auto guard = ddp.no_sync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    opt.step();
+    // Reference: the whole accumulated global batch at once.
+    std::vector<torch::Tensor> xs, ys;
+    for (int m = 0; m < micro; ++m) {
+      Batch b = global_batch(step * micro + m, micro_global);
+      xs.push_back(b.x);
+      ys.push_back(b.y);
+    }
+    ref_opt.zero_grad();
+    torch::nn::functional::cross_entropy(reference->forward(torch::cat(xs)), torch::cat(ys)).backward();
+    ref_opt.step();
+  }
+  const double diff = max_abs_diff(*model, *reference);
+  std::cerr << "rank " << pg->rank() << " no_sync max_abs_diff=" << diff << "\n";
+  return check(diff <= 1e-5, "no_sync accumulation equals the large batch");
+}
+
+// Parameters without gradient: an error naming them, or handled with find_unused_parameters.
+int unused_parameters() {
+  auto pg = group();
+  torch::manual_seed(0);
+  Net model(/*with_unused_branch=*/true);
+  int failures = 0;
+  {
+    DistributedDataParallel ddp(model.ptr(), pg);
+    Batch b = shard(global_batch(0, 8), pg->rank(), pg->size());
+    try {
+      torch::nn::functional::cross_entropy(model->forward(b.x), b.y).backward();
+      failures += check(false, "backward with an unused parameter must fail");
+    } catch (const std::exception& e) {
+      const std::string msg = e.what();
+      failures += check(msg.find("unused.weight") != std::string::npos &&
+                            msg.find("unused.bias") != std::string::npos &&
+                            msg.find("find_unused_parameters") != std::string::npos,
+                        "error names the parameters: " + msg);
+    }
+  }
+  model->zero_grad();
+  DDPOptions opts;
+  opts.find_unused_parameters = true;
+  DistributedDataParallel ddp(model.ptr(), pg, opts);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  auto before = model->unused->weight.clone();
+  for (int step = 0; step < 3; ++step) {
+    Batch b = shard(global_batch(step, 8), pg->rank(), pg->size());
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(b.x), b.y).backward();
+    opt.step();
+  }
+  failures += check(torch::equal(before, model->unused->weight), "unused parameter unchanged");
+  // Replicas stay identical.
+  std::vector<torch::Tensor> gathered;
+  pg->allgather(gathered, model->fc1->weight.detach());
+  failures += check(torch::equal(gathered[0], gathered.back()), "replicas identical");
+  return failures;
+}
+
+// Frozen parameters are never synced (and need no gradient).
+int frozen_parameters() {
+  auto pg = group();
+  torch::manual_seed(0);
+  Net model;
+  model->fc1->weight.set_requires_grad(false);
+  model->fc1->bias.set_requires_grad(false);
+  DistributedDataParallel ddp(model.ptr(), pg);
+  for (auto& name : ddp.trainable_parameter_names()) {
+    if (name.rfind("fc1.", 0) == 0) return check(false, "frozen parameter in buckets: " + name);
+  }
+  Batch b = shard(global_batch(0, 8), pg->rank(), pg->size());
+  torch::nn::functional::cross_entropy(model->forward(b.x), b.y).backward();
+  return check(!model->fc1->weight.grad().defined(), "frozen parameter has no gradient") +
+         check(model->fc2->weight.grad().defined(), "trainable parameter has a gradient");
+}
+
+}  // namespace
+
+int run_ddp_worker(const std::string& name) {
+  try {
+    if (name == "sgd_equivalence") return sgd_equivalence();
+    if (name == "no_sync_accumulation") return no_sync_accumulation();
+    if (name == "unused_parameters") return unused_parameters();
+    if (name == "frozen_parameters") return frozen_parameters();
+    std::cerr << "unknown worker scenario " << name << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "worker failed: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+namespace {
+
+int launch_scenario(const std::string& name, int nproc) {
+  replica::launch::LaunchOptions opts;
+  opts.nproc_per_node = nproc;
+  opts.threads_per_worker = 1;
+  opts.command = {"/proc/self/exe", "--worker", name};
+  return replica::launch::run(opts);
+}
+
+}  // namespace
+
+TEST(DDPMultiProcess, World2EqualsWorld1With20SgdSteps) { EXPECT_EQ(launch_scenario("sgd_equivalence", 2), 0); }
+TEST(DDPMultiProcess, World3EqualsWorld1With20SgdSteps) { EXPECT_EQ(launch_scenario("sgd_equivalence", 3), 0); }
+TEST(DDPMultiProcess, NoSyncAccumulationEqualsLargeBatch) { EXPECT_EQ(launch_scenario("no_sync_accumulation", 2), 0); }
+TEST(DDPMultiProcess, UnusedParametersNamedOrHandled) { EXPECT_EQ(launch_scenario("unused_parameters", 2), 0); }
+TEST(DDPMultiProcess, FrozenParametersNeverSynced) { EXPECT_EQ(launch_scenario("frozen_parameters", 2), 0); }
+
+TEST(DDP, WorldOfOneInstallsNothingAndTrainsPlainly) {
+  auto pg = replica::dist::init_process_group(replica::dist::WorldInfo{});
+  torch::manual_seed(0);
+  Net model;
+  DistributedDataParallel ddp(model.ptr(), pg);
+  EXPECT_TRUE(ddp.bucket_assignment().empty());
+  Batch b = global_batch(0, 8);
+  torch::nn::functional::cross_entropy(model->forward(b.x), b.y).backward();
+  EXPECT_TRUE(model->fc1->weight.grad().defined());
+}
