@@ -1,11 +1,20 @@
 // A multilayer perceptron: flatten, then Linear+ReLU per hidden size, then a Linear head.
 // PyTorch's nn.Linear initialisation (the peer benchmark uses the same model).
+//
+// Parameter names (stable; checkpoints and the sharded engines key on them) match
+// PyTorch's nn.Sequential(nn.Linear, nn.ReLU, ..., nn.Linear) registered as `layers`:
+// Linear k sits at Sequential index 2k, so MLP(784, {256, 128}, 10) has
+//   layers.0.weight [256, 784]  layers.0.bias [256]
+//   layers.2.weight [128, 256]  layers.2.bias [128]
+//   layers.4.weight [10, 128]   layers.4.bias [10]      (235,146 parameters in all).
+// Bad sizes, or an input whose features do not match in_features, are replica::Error.
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include <utility>
 #include <vector>
 
 namespace replica::models {
@@ -18,7 +27,18 @@ class MLPImpl : public torch::nn::Module {
 
  private:
   torch::nn::Sequential layers_{nullptr};
+  int64_t in_features_ = 0;
 };
-TORCH_MODULE(MLP);
+
+// What TORCH_MODULE(MLP) would declare, plus a non-template constructor: ModuleHolder's
+// forwarding constructor cannot take a braced list, so `MLP(784, {256, 128}, 10)` would not
+// compile with the macro alone.
+class MLP : public torch::nn::ModuleHolder<MLPImpl> {
+ public:
+  using torch::nn::ModuleHolder<MLPImpl>::ModuleHolder;
+  using Impl = MLPImpl;
+  MLP(int64_t in_features, std::vector<int64_t> hidden_sizes, int64_t out_features)
+      : ModuleHolder(in_features, std::move(hidden_sizes), out_features) {}
+};
 
 }  // namespace replica::models

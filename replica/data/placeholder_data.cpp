@@ -1,1 +1,0 @@
-// placeholder until the data concern lands

@@ -1,0 +1,42 @@
+#include "replica/models/mlp.h"
+
+#include "replica/core/error.h"
+
+#include <torch/torch.h>
+
+namespace replica::models {
+
+MLPImpl::MLPImpl(int64_t in_features, std::vector<int64_t> hidden_sizes, int64_t out_features) {
+  if (in_features < 1) fail("MLP: in_features {} must be at least 1", in_features);
+  if (out_features < 1) fail("MLP: out_features {} must be at least 1", out_features);
+  for (size_t i = 0; i < hidden_sizes.size(); ++i) {
+    if (hidden_sizes[i] < 1) fail("MLP: hidden size {} (layer {}) must be at least 1",
+                                  hidden_sizes[i], i);
+  }
+  in_features_ = in_features;
+  // One Sequential named "layers" gives PyTorch-style parameter names (see mlp.h). Linear's
+  // default reset_parameters is PyTorch's: kaiming_uniform(a=sqrt(5)) weights and
+  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)) biases.
+  torch::nn::Sequential layers;
+  int64_t width = in_features;
+  for (int64_t hidden : hidden_sizes) {
+    layers->push_back(torch::nn::Linear(width, hidden));
+    layers->push_back(torch::nn::ReLU());
+    width = hidden;
+  }
+  layers->push_back(torch::nn::Linear(width, out_features));
+  layers_ = register_module("layers", layers);
+}
+
+torch::Tensor MLPImpl::forward(torch::Tensor x) {
+  if (x.dim() < 1) fail("MLP: input must have a batch dimension, got a scalar");
+  // [B] is B samples of one feature; [B, ...] flattens everything after the batch dimension.
+  torch::Tensor flat = x.dim() == 1 ? x.unsqueeze(1) : x.flatten(1);
+  if (flat.size(1) != in_features_) {
+    fail("MLP: input of shape {} has {} features per sample, expected {}", c10::str(x.sizes()),
+         flat.size(1), in_features_);
+  }
+  return layers_->forward(flat);
+}
+
+}  // namespace replica::models
