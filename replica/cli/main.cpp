@@ -1,1 +1,127 @@
-int main() { return 0; }
+// The `replica` program: one entry point for training, launching and diagnostics.
+#include "replica/cli/env_report.h"
+#include "replica/core/error.h"
+#include "replica/io/config.h"
+#include "replica/launch/launcher.h"
+#include "replica/train/trainer.h"
+
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+#include <yaml-cpp/yaml.h>
+
+#include <iostream>
+#include <set>
+
+namespace {
+
+// `replica --config run.yaml --max-steps 20 --project-name out/x`: every flag has a YAML twin;
+// here flags after --config override the file (params: keys unless they are top-level ones).
+replica::io::RunConfig config_with_overrides(const std::string& path, const std::vector<std::string>& extras) {
+  if (extras.empty()) return replica::io::load_config(path);
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    replica::fail("config file '{}' cannot be read", path);
+  } catch (const YAML::Exception& e) {
+    replica::fail("{}:{}: {}", path, e.mark.line + 1, e.msg);
+  }
+  static const std::set<std::string> top = {"task", "backend", "base_model", "model", "project_name", "log"};
+  for (size_t i = 0; i < extras.size(); ++i) {
+    std::string arg = extras[i];
+    if (arg.rfind("--", 0) != 0) replica::fail("unexpected argument '{}' (flags look like --batch-size 32)", arg);
+    arg = arg.substr(2);
+    std::string value;
+    if (auto eq = arg.find('='); eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    } else if (i + 1 < extras.size() && extras[i + 1].rfind("--", 0) != 0) {
+      value = extras[++i];
+    } else {
+      value = "true";  // a bare switch such as --overwrite
+    }
+    for (auto& c : arg) if (c == '-') c = '_';
+    YAML::Node v = YAML::Load(value);
+    if (top.count(arg)) root[arg] = v;
+    else if (arg == "data_path") root["data"]["path"] = v;
+    else root["params"][arg] = v;
+  }
+  YAML::Emitter emitter;
+  emitter << root;
+  return replica::io::parse_config(emitter.c_str(), path + " (with command-line overrides)");
+}
+
+int run_main(int argc, char** argv) {
+  CLI::App app{"replica: data-parallel training in C++ on LibTorch (DDP, launcher, trainer)", "replica"};
+  app.set_version_flag("--version", std::string("replica ") + REPLICA_VERSION);
+  app.require_subcommand(0, 1);
+  app.allow_extras();
+  std::string config_path;
+  app.add_option("--config", config_path, "Run the task a YAML file describes (flags after it override its keys)")
+      ->check(CLI::ExistingFile);
+
+  auto* launch = app.add_subcommand("launch", "Start workers of a program, torchrun-compatible: "
+                                              "replica launch [options] -- PROGRAM [ARGS...]");
+  std::string nproc = "auto";
+  replica::launch::LaunchOptions lopts;
+  launch->add_option("--nproc-per-node,--nproc_per_node", nproc, "Workers on this node: N or auto (= usable cores)")
+      ->capture_default_str();
+  launch->add_option("--nnodes", lopts.nnodes, "Number of nodes")->capture_default_str();
+  launch->add_option("--node-rank,--node_rank", lopts.node_rank, "This node's rank")->capture_default_str();
+  launch->add_option("--master-addr,--master_addr", lopts.master_addr, "Rendezvous host (rank 0's node)")
+      ->capture_default_str();
+  launch->add_option("--master-port,--master_port", lopts.master_port, "Rendezvous port (0: a free one, one node only)")
+      ->capture_default_str();
+  launch->add_option("--max-restarts,--max_restarts", lopts.max_restarts, "Restarts of the worker group after a failure")
+      ->capture_default_str();
+  launch->add_option("--threads-per-worker", lopts.threads_per_worker, "Intra-op threads per worker (0: cores / workers)")
+      ->capture_default_str();
+  launch->prefix_command();
+
+  auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
+  std::string format = "text";
+  env_cmd->add_option("--format", format, "text or json")->check(CLI::IsMember({"text", "json"}));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  if (*launch) {
+    std::vector<std::string> command = launch->remaining();
+    if (!command.empty() && command.front() == "--") command.erase(command.begin());
+    if (command.empty()) replica::fail("replica launch: no program given (replica launch [options] -- PROGRAM [ARGS...])");
+    lopts.nproc_per_node = replica::launch::resolve_nproc(nproc);
+    lopts.command = command;
+    return replica::launch::run(lopts);
+  }
+  if (*env_cmd) {
+    std::cout << replica::cli::env_report(format == "json");
+    return 0;
+  }
+  if (!config_path.empty()) {
+    auto config = config_with_overrides(config_path, app.remaining());
+    std::vector<std::string> self = {"/proc/self/exe"};
+    for (int i = 1; i < argc; ++i) self.emplace_back(argv[i]);
+    return replica::train::run(config, self);
+  }
+  if (!app.remaining().empty()) replica::fail("unexpected argument '{}'; see replica --help", app.remaining().front());
+  std::cout << app.help();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  spdlog::set_pattern("%^[%H:%M:%S %l]%$ %v");
+  try {
+    return run_main(argc, argv);
+  } catch (const replica::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,147 @@
+#include "replica/train/checkpoint.h"
+
+#include "replica/core/error.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+namespace fs = std::filesystem;
+
+namespace replica::train {
+namespace {
+
+void fsync_path(const fs::path& p) {
+  int fd = ::open(p.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+void write_text_durably(const fs::path& path, const std::string& text) {
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) fail("cannot write {}", path.string());
+  }
+  fsync_path(path);
+}
+
+int64_t step_of(const fs::path& dir) {
+  static const std::regex pattern(R"(checkpoint-(\d+))");
+  std::smatch m;
+  const std::string name = dir.filename().string();
+  if (!std::regex_match(name, m, pattern)) return -1;
+  return std::stoll(m[1]);
+}
+
+}  // namespace
+
+nlohmann::json TrainerState::to_json() const {
+  return {{"global_step", global_step}, {"epoch", epoch},       {"micro_step", micro_step},
+          {"world_size", world_size},   {"seed", seed},         {"log_history", log_history}};
+}
+
+TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string& where) {
+  TrainerState s;
+  try {
+    s.global_step = j.at("global_step").get<int64_t>();
+    s.epoch = j.at("epoch").get<int64_t>();
+    s.micro_step = j.at("micro_step").get<int64_t>();
+    s.world_size = j.at("world_size").get<int>();
+    s.seed = j.at("seed").get<int64_t>();
+    if (j.contains("log_history")) s.log_history = j.at("log_history");
+  } catch (const std::exception& e) {
+    fail("{}: not a replica trainer state: {}", where, e.what());
+  }
+  if (s.global_step < 0 || s.epoch < 0 || s.micro_step < 0 || s.world_size < 1) {
+    fail("{}: trainer state has negative counters", where);
+  }
+  return s;
+}
+
+std::string save_checkpoint(const std::string& project_dir, const Checkpoint& ckpt,
+                            int save_total_limit) {
+  const fs::path project(project_dir);
+  const fs::path final_dir = project / fmt::format("checkpoint-{}", ckpt.state.global_step);
+  const fs::path tmp = project / fmt::format(".checkpoint-{}.tmp-{}", ckpt.state.global_step, getpid());
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp);
+  io::save_safetensors((tmp / "model.safetensors").string(), ckpt.model, {{"format", "pt"}});
+  io::save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
+  io::save_safetensors((tmp / "rng_state.safetensors").string(), ckpt.rng);
+  // trainer_state.json last: its presence in a renamed directory marks a whole checkpoint.
+  write_text_durably(tmp / "trainer_state.json", ckpt.state.to_json().dump(2) + "\n");
+  fsync_path(tmp);
+  fs::remove_all(final_dir, ec);
+  fs::rename(tmp, final_dir);
+  fsync_path(project);
+
+  if (save_total_limit > 0) {
+    auto all = list_checkpoints(project_dir);  // newest first
+    for (size_t i = static_cast<size_t>(save_total_limit); i < all.size(); ++i) {
+      fs::remove_all(all[i], ec);
+    }
+  }
+  return final_dir.string();
+}
+
+std::vector<std::string> list_checkpoints(const std::string& project_dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  if (!fs::is_directory(project_dir, ec)) return {};
+  for (const auto& entry : fs::directory_iterator(project_dir, ec)) {
+    if (!entry.is_directory()) continue;
+    const int64_t step = step_of(entry.path());
+    if (step >= 0) found.emplace_back(step, entry.path().string());
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(f.second);
+  return out;
+}
+
+Checkpoint load_checkpoint(const std::string& dir) {
+  Checkpoint c;
+  c.dir = dir;
+  const fs::path d(dir);
+  const fs::path state_path = d / "trainer_state.json";
+  std::ifstream in(state_path);
+  if (!in) fail("{}: missing trainer_state.json", dir);
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    fail("{}: trainer_state.json is not valid JSON: {}", dir, e.what());
+  }
+  c.state = TrainerState::from_json(j, state_path.string());
+  c.model = io::load_safetensors((d / "model.safetensors").string()).tensors;
+  c.optimizer = io::load_safetensors((d / "optimizer.safetensors").string()).tensors;
+  if (fs::exists(d / "rng_state.safetensors")) {
+    c.rng = io::load_safetensors((d / "rng_state.safetensors").string()).tensors;
+  }
+  return c;
+}
+
+std::optional<Checkpoint> latest_checkpoint(const std::string& project_dir,
+                                            std::vector<std::string>* skipped) {
+  for (const auto& dir : list_checkpoints(project_dir)) {
+    try {
+      return load_checkpoint(dir);
+    } catch (const std::exception& e) {
+      spdlog::warn("skipping checkpoint {}: {}", dir, e.what());
+      if (skipped) skipped->push_back(dir);
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace replica::train

@@ -1,0 +1,55 @@
+// Checkpoints in Hugging Face Trainer's layout: project/checkpoint-STEP/ with
+// model.safetensors, optimizer.safetensors, rng_state.safetensors and trainer_state.json.
+//
+// Why the care: a crash mid-save must leave the previous checkpoint intact, and a restart
+// must find the newest checkpoint that is whole. A checkpoint is first written to a
+// temporary directory and renamed into place only when every file is on disk; a directory
+// whose trainer_state.json or tensors do not load is skipped with a warning naming it.
+#pragma once
+
+#include "replica/io/safetensors.h"
+
+#include <nlohmann/json.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace replica::train {
+
+struct TrainerState {
+  int64_t global_step = 0;       // optimizer steps done
+  int64_t epoch = 0;             // epoch in progress
+  int64_t micro_step = 0;        // micro-batches of `epoch` already consumed
+  int world_size = 1;
+  int64_t seed = 0;
+  nlohmann::json log_history = nlohmann::json::array();  // last metrics, for humans
+  nlohmann::json to_json() const;
+  static TrainerState from_json(const nlohmann::json& j, const std::string& where);
+};
+
+struct Checkpoint {
+  std::string dir;
+  TrainerState state;
+  io::NamedTensors model;
+  io::NamedTensors optimizer;
+  io::NamedTensors rng;
+};
+
+// Writes project/checkpoint-STEP atomically, then deletes the oldest complete checkpoints
+// beyond save_total_limit (<= 0 keeps all). Returns the directory.
+std::string save_checkpoint(const std::string& project_dir, const Checkpoint& checkpoint,
+                            int save_total_limit);
+
+// checkpoint-N directories under project_dir, newest first (temporary ones excluded).
+std::vector<std::string> list_checkpoints(const std::string& project_dir);
+
+// Loads a checkpoint directory; replica::Error naming the file at fault.
+Checkpoint load_checkpoint(const std::string& dir);
+
+// The newest checkpoint that loads; corrupt ones are skipped with a warning on stderr.
+// `skipped` receives the directories that did not load.
+std::optional<Checkpoint> latest_checkpoint(const std::string& project_dir,
+                                            std::vector<std::string>* skipped = nullptr);
+
+}  // namespace replica::train

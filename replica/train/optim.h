@@ -1,0 +1,39 @@
+// Optimizers for the trainer (torch::optim SGD with momentum, AdamW) and their state as
+// named tensors, so checkpoints stay in safetensors (no pickle).
+#pragma once
+
+#include "replica/io/safetensors.h"
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace replica::train {
+
+struct OptimizerSpec {
+  std::string name = "adamw";  // sgd | adamw
+  double lr = 1e-3;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+};
+
+// The optimizer over `params` (trainable parameters, in the order of `names`).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
+                                                        const std::vector<torch::Tensor>& params);
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
+
+// Per-parameter state as "<param name>.<field>" tensors (SGD: momentum_buffer; AdamW: step,
+// exp_avg, exp_avg_sq, max_exp_avg_sq). Parameters without state yet are absent.
+io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, const std::string& kind,
+                                 const std::vector<torch::Tensor>& params,
+                                 const std::vector<std::string>& names);
+
+// Restores what optimizer_state wrote. A shape mismatch or unknown name is a replica::Error.
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& kind,
+                          const std::vector<torch::Tensor>& params,
+                          const std::vector<std::string>& names, const io::NamedTensors& state);
+
+}  // namespace replica::train

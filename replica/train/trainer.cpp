@@ -1,0 +1,402 @@
+#include "replica/train/trainer.h"
+
+#include "replica/core/error.h"
+#include "replica/core/system.h"
+#include "replica/ddp/ddp.h"
+#include "replica/data/sampler.h"
+#include "replica/dist/process_group.h"
+#include "replica/io/safetensors.h"
+#include "replica/launch/launcher.h"
+#include "replica/train/checkpoint.h"
+#include "replica/train/optim.h"
+#include "replica/train/schedule.h"
+#include "replica/train/workload.h"
+
+#include <ATen/autocast_mode.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+
+namespace replica::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void write_file(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out) fail("cannot write {}", path.string());
+  }
+  fs::rename(tmp, path);
+}
+
+nlohmann::json params_json(const io::RunConfig& c) {
+  const auto& p = c.params;
+  nlohmann::json j = {
+      {"task", c.task},
+      {"model", c.task == "llm-sft" ? c.base_model : c.model},
+      {"project_name", c.project_name},
+      {"data_path", c.data.path},
+      {"train_split", c.data.train_split},
+      {"valid_split", c.data.valid_split ? nlohmann::json(*c.data.valid_split) : nlohmann::json()},
+      {"log", c.log},
+      {"distributed_backend", p.distributed_backend},
+      {"nproc_per_node", p.nproc_per_node == 0 ? nlohmann::json("auto") : nlohmann::json(p.nproc_per_node)},
+      {"epochs", p.epochs},
+      {"max_steps", p.max_steps},
+      {"batch_size", p.batch_size},
+      {"gradient_accumulation", p.gradient_accumulation},
+      {"mixed_precision", p.mixed_precision},
+      {"optimizer", p.optimizer},
+      {"lr", p.lr},
+      {"momentum", p.momentum},
+      {"weight_decay", p.weight_decay},
+      {"warmup_steps", p.warmup_steps},
+      {"warmup_ratio", p.warmup_ratio},
+      {"scheduler", p.scheduler},
+      {"max_grad_norm", p.max_grad_norm},
+      {"shuffle", p.shuffle},
+      {"seed", p.seed},
+      {"eval_every", p.eval_every},
+      {"checkpoint_every", p.checkpoint_every},
+      {"save_total_limit", p.save_total_limit},
+      {"logging_steps", p.logging_steps},
+      {"threads_per_worker", p.threads_per_worker},
+      {"deterministic", p.deterministic},
+      {"hidden_sizes", p.hidden_sizes},
+  };
+  for (const auto& [k, v] : p.extra) j[k] = v;
+  return j;
+}
+
+// Which checkpoint to start from, decided by rank 0 before anything is written and then
+// shared, so every rank resumes from the same one.
+int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg) {
+  int64_t decision = -1;  // -1: fresh start; >= 0: the checkpoint step
+  std::string error;
+  if (pg.rank() == 0) {
+    const fs::path project(config.project_name);
+    std::error_code ec;
+    if (config.params.overwrite && fs::exists(project)) {
+      for (const auto& entry : fs::directory_iterator(project)) fs::remove_all(entry.path(), ec);
+    }
+    if (fs::exists(project) && !fs::is_empty(project, ec)) {
+      std::vector<std::string> skipped;
+      auto latest = latest_checkpoint(config.project_name, &skipped);
+      if (latest) {
+        decision = latest->state.global_step;
+      } else if (!skipped.empty()) {
+        std::string names;
+        for (const auto& s : skipped) names += (names.empty() ? "" : ", ") + s;
+        error = fmt::format("project '{}' has no usable checkpoint to resume from (unreadable: {}); "
+                            "use a new project_name or --overwrite for a fresh start",
+                            config.project_name, names);
+      } else if (fs::exists(project / "final")) {
+        error = fmt::format("project '{}' holds a finished run (final/) and no checkpoint to resume "
+                            "from; use a new project_name or --overwrite",
+                            config.project_name);
+      }
+    }
+  }
+  torch::Tensor t = torch::tensor({decision, static_cast<int64_t>(error.empty() ? 0 : 1)}, torch::kLong);
+  std::vector<torch::Tensor> msg{t};
+  pg.broadcast(msg, 0);
+  if (msg[0][1].item<int64_t>() != 0) {
+    if (pg.rank() == 0) fail("{}", error);
+    fail("rank {}: stopping: rank 0 found no usable checkpoint in '{}'", pg.rank(), config.project_name);
+  }
+  return msg[0][0].item<int64_t>();
+}
+
+void load_model_tensors(torch::nn::Module& model, const io::NamedTensors& tensors, const std::string& where) {
+  std::map<std::string, torch::Tensor> by_name(tensors.begin(), tensors.end());
+  torch::NoGradGuard no_grad;
+  auto assign = [&](const std::string& name, torch::Tensor& target) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) fail("{}: tensor '{}' is missing", where, name);
+    if (it->second.sizes() != target.sizes()) {
+      fail("{}: tensor '{}' has shape {} but the model expects {}", where, name,
+           c10::str(it->second.sizes()), c10::str(target.sizes()));
+    }
+    target.copy_(it->second);
+  };
+  for (auto& item : model.named_parameters()) assign(item.key(), item.value());
+  for (auto& item : model.named_buffers()) assign(item.key(), item.value());
+}
+
+io::NamedTensors model_tensors(torch::nn::Module& model) {
+  io::NamedTensors out;
+  for (auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value().detach());
+  for (auto& item : model.named_buffers()) out.emplace_back(item.key(), item.value().detach());
+  return out;
+}
+
+// Drops metrics of steps after the checkpoint we resume from (they will be redone).
+void truncate_metrics(const fs::path& path, int64_t last_step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("step", int64_t{0}) > last_step) continue;
+    } catch (...) {
+      continue;  // a torn last line from a crash
+    }
+    kept += line + "\n";
+  }
+  in.close();
+  write_file(path, kept);
+}
+
+struct Metrics {
+  std::ofstream out;
+  void open(const fs::path& path) { out.open(path, std::ios::app); }
+  void write(const nlohmann::json& j) {
+    if (!out.is_open()) return;
+    out << j.dump() << "\n";
+    out.flush();
+  }
+};
+
+}  // namespace
+
+void save_final_model(const std::string& project_dir, const io::NamedTensors& tensors,
+                      const std::string& config_json) {
+  const fs::path final_dir = fs::path(project_dir) / "final";
+  fs::create_directories(final_dir);
+  io::save_safetensors((final_dir / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  write_file(final_dir / "config.json", config_json);
+}
+
+int run_worker(const io::RunConfig& config) {
+  const auto& p = config.params;
+  const dist::WorldInfo world = dist::world_from_env().value_or(dist::WorldInfo{});
+
+  // Threads: cores / workers unless the user said otherwise (PRODUCT.md).
+  int threads = p.threads_per_worker;
+  if (threads <= 0) {
+    if (auto t = env_int("REPLICA_THREADS_PER_WORKER")) threads = static_cast<int>(*t);
+  }
+  if (threads <= 0) threads = std::max(1, usable_cores() / std::max(1, world.local_world_size));
+  torch::set_num_threads(threads);
+  if (p.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
+
+  dist::ProcessGroupOptions pg_options;
+  pg_options.rdzv_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.rdzv_timeout * 1000));
+  pg_options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.collective_timeout * 1000));
+  auto pg = dist::init_process_group(world, pg_options);
+  const bool main = pg->rank() == 0;
+  if (main) {
+    spdlog::info("replica: task {} on {} worker{} ({} thread{} each), backend {}", config.task, pg->size(),
+                 pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s", p.distributed_backend);
+  }
+  if (p.distributed_backend != "ddp") {
+    fail("distributed_backend '{}' is not available in this build yet (ddp)", p.distributed_backend);
+  }
+
+  torch::manual_seed(static_cast<uint64_t>(p.seed));
+  auto workload = make_workload(config);
+  auto model = workload->model();
+  ddp::DistributedDataParallel ddp(model, pg);
+
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  for (auto& item : model->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    params.push_back(item.value());
+    names.push_back(item.key());
+  }
+  OptimizerSpec spec{p.optimizer, p.lr, p.momentum, p.weight_decay};
+  auto optimizer = make_optimizer(spec, params);
+
+  TrainerState state;
+  state.world_size = pg->size();
+  state.seed = p.seed;
+  const int64_t start = decide_start(config, *pg);
+  const fs::path project(config.project_name);
+  if (start >= 0) {
+    const std::string dir = (project / fmt::format("checkpoint-{}", start)).string();
+    Checkpoint ckpt = load_checkpoint(dir);
+    load_model_tensors(*model, ckpt.model, dir + "/model.safetensors");
+    load_optimizer_state(*optimizer, p.optimizer, params, names, ckpt.optimizer);
+    state = ckpt.state;
+    if (state.world_size != pg->size()) {
+      // The sampler's slices depend on the world size: the position in the epoch is kept as
+      // a count of global samples, so a different world continues from the same place.
+      const int64_t samples_done = state.micro_step * p.batch_size * state.world_size;
+      state.micro_step = samples_done / (static_cast<int64_t>(p.batch_size) * pg->size());
+      state.world_size = pg->size();
+    }
+    if (main) spdlog::info("resuming from {} (step {}, epoch {})", dir, state.global_step, state.epoch);
+  }
+
+  Metrics metrics;
+  if (main) {
+    fs::create_directories(project);
+    write_file(project / "config.yaml", io::to_yaml(config));
+    write_file(project / "training_params.json", params_json(config).dump(2) + "\n");
+    if (start >= 0) truncate_metrics(project / "metrics.jsonl", start);
+    metrics.open(project / "metrics.jsonl");
+  }
+
+  data::DistributedSampler sampler(workload->train_size(), pg->rank(), pg->size(), p.shuffle,
+                                   static_cast<uint64_t>(p.seed), /*drop_last=*/false);
+  const int64_t batch = p.batch_size;
+  const int64_t micro_per_epoch = (sampler.num_samples() + batch - 1) / batch;
+  const int64_t steps_per_epoch = (micro_per_epoch + p.gradient_accumulation - 1) / p.gradient_accumulation;
+  const int64_t total_steps = p.max_steps > 0 ? p.max_steps : p.epochs * steps_per_epoch;
+  const int64_t warmup = warmup_steps(p.warmup_steps, p.warmup_ratio, total_steps);
+  if (micro_per_epoch == 0) fail("the training split '{}' is empty", config.data.train_split);
+
+  const bool bf16 = p.mixed_precision == "bf16";
+  auto evaluate = [&](int64_t epoch_for_log) {
+    if (workload->valid_size() == 0) return;
+    std::vector<int64_t> mine;
+    for (int64_t i = pg->rank(); i < workload->valid_size(); i += pg->size()) mine.push_back(i);
+    model->eval();
+    EvalSums s = workload->evaluate(mine);
+    model->train();
+    auto t = torch::tensor({s.loss_sum, s.correct, s.count}, torch::kDouble);
+    pg->allreduce_sum(t).wait();
+    if (main) {
+      const double count = t[2].item<double>();
+      nlohmann::json j = {{"step", state.global_step},
+                          {"epoch", static_cast<double>(epoch_for_log)},
+                          {"eval_loss", t[0].item<double>() / count},
+                          {"eval_accuracy", t[1].item<double>() / count},
+                          {"eval_samples", static_cast<int64_t>(count)}};
+      metrics.write(j);
+      spdlog::info("eval step {}: eval_loss {:.4f} eval_accuracy {:.4f}", state.global_step,
+                   j["eval_loss"].get<double>(), j["eval_accuracy"].get<double>());
+      state.log_history.push_back(j);
+    }
+  };
+  auto checkpoint = [&]() {
+    if (!main) return;
+    Checkpoint c;
+    c.state = state;
+    if (c.state.log_history.size() > 20) {
+      c.state.log_history.erase(c.state.log_history.begin(), c.state.log_history.end() - 20);
+    }
+    c.model = model_tensors(*model);
+    c.optimizer = optimizer_state(*optimizer, p.optimizer, params, names);
+    c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+    save_checkpoint(config.project_name, c, p.save_total_limit);
+  };
+
+  model->train();
+  double window_loss = 0;
+  int64_t window_steps = 0, window_samples = 0;
+  auto window_start = Clock::now();
+  const auto run_start = Clock::now();
+  int64_t last_checkpoint = start;
+
+  while (state.global_step < total_steps) {
+    sampler.set_epoch(state.epoch);
+    const std::vector<int64_t> order = sampler.indices();
+    while (state.micro_step < micro_per_epoch && state.global_step < total_steps) {
+      const int64_t group = std::min<int64_t>(p.gradient_accumulation, micro_per_epoch - state.micro_step);
+      set_learning_rate(*optimizer, learning_rate(p.scheduler, p.lr, state.global_step, total_steps, warmup));
+      optimizer->zero_grad();
+      double step_loss = 0;
+      for (int64_t k = 0; k < group; ++k) {
+        const int64_t begin = (state.micro_step + k) * batch;
+        const int64_t end = std::min<int64_t>(begin + batch, static_cast<int64_t>(order.size()));
+        std::vector<int64_t> indices(order.begin() + begin, order.begin() + end);
+        torch::Tensor loss;
+        {
+          at::autocast::set_cpu_enabled(bf16);
+          if (bf16) at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+          loss = workload->train_loss(indices).to(torch::kFloat) / static_cast<double>(group);
+          at::autocast::set_cpu_enabled(false);
+          if (bf16) at::autocast::clear_cache();
+        }
+        if (k + 1 < group) {
+          auto no_sync = ddp.no_sync();
+          loss.backward();
+        } else {
+          loss.backward();
+        }
+        step_loss += loss.item<double>();
+        window_samples += end - begin;
+      }
+      if (p.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, p.max_grad_norm);
+      optimizer->step();
+      state.micro_step += group;
+      state.global_step += 1;
+      window_loss += step_loss;
+      window_steps += 1;
+
+      if (state.global_step % std::max<int64_t>(1, p.logging_steps) == 0 || state.global_step == total_steps) {
+        auto t = torch::tensor({window_loss, static_cast<double>(window_steps), static_cast<double>(window_samples)},
+                               torch::kDouble);
+        pg->allreduce_sum(t).wait();
+        const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
+        if (main) {
+          const double loss = t[0].item<double>() / t[1].item<double>();
+          const double sps = t[2].item<double>() / std::max(seconds, 1e-9);
+          const double epoch_f = state.epoch + static_cast<double>(state.micro_step) / micro_per_epoch;
+          const double lr = learning_rate(p.scheduler, p.lr, state.global_step - 1, total_steps, warmup);
+          nlohmann::json j = {{"step", state.global_step}, {"epoch", epoch_f}, {"loss", loss},
+                              {"lr", lr},                  {"samples_per_s", sps}};
+          metrics.write(j);
+          spdlog::info("step {}/{} epoch {:.2f} loss {:.4f} lr {:.3g} {:.0f} samples/s", state.global_step,
+                       total_steps, epoch_f, loss, lr, sps);
+        }
+        window_loss = 0;
+        window_steps = window_samples = 0;
+        window_start = Clock::now();
+      }
+      if (p.eval_every > 0 && state.global_step % p.eval_every == 0) evaluate(state.epoch);
+      if (state.micro_step >= micro_per_epoch) {
+        // Epoch boundary: the checkpoint below records the start of the next epoch.
+        if (p.eval_every == 0) evaluate(state.epoch + 1);
+        state.epoch += 1;
+        state.micro_step = 0;
+        sampler.set_epoch(state.epoch);
+      }
+      if (p.checkpoint_every > 0 && state.global_step % p.checkpoint_every == 0) {
+        checkpoint();
+        last_checkpoint = state.global_step;
+      }
+      if (state.micro_step == 0) break;  // next epoch: new order
+    }
+  }
+
+  if (p.checkpoint_every > 0 && last_checkpoint != state.global_step) checkpoint();
+  if (main) {
+    nlohmann::json cfg = workload->model_config();
+    save_final_model(config.project_name, model_tensors(*model), cfg.dump(2) + "\n");
+    const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
+    spdlog::info("done: {} steps in {:.1f} s; model in {}/final", state.global_step, seconds, config.project_name);
+  }
+  pg->barrier();
+  return 0;
+}
+
+int run(const io::RunConfig& config, const std::vector<std::string>& self_argv) {
+  if (dist::world_from_env()) return run_worker(config);  // started by a launcher
+  const int nproc = config.params.nproc_per_node == 0
+                        ? launch::resolve_nproc("auto")
+                        : launch::resolve_nproc(std::to_string(config.params.nproc_per_node));
+  if (nproc == 1) return run_worker(config);
+  launch::LaunchOptions opts;
+  opts.nproc_per_node = nproc;
+  opts.master_addr = config.params.master_addr;
+  opts.master_port = config.params.master_port;
+  opts.max_restarts = config.params.max_restarts;
+  opts.threads_per_worker = config.params.threads_per_worker;
+  opts.command = self_argv;
+  return launch::run(opts);
+}
+
+}  // namespace replica::train

@@ -1,0 +1,34 @@
+// The trainer: one command from a validated RunConfig to a finished project directory.
+//
+// run() is what `replica --config` calls. Started by a launcher (RANK/WORLD_SIZE, mpirun or
+// Slurm variables set) it is that one worker. Otherwise, with nproc_per_node > 1, it starts
+// its own workers through replica's launcher (the user types one command); with one worker
+// it trains in-process.
+//
+// The loop (run_worker): epochs or max_steps; per-worker micro-batches of batch_size;
+// gradient_accumulation micro-steps per optimizer step (communication only on the last,
+// through DDP's no_sync); warm-up then constant/linear/cosine decay; gradient clipping;
+// evaluation on the valid split; metrics.jsonl; checkpoint-STEP/ and resume from the newest
+// whole one; final/. Only rank 0 writes shared files.
+#pragma once
+
+#include "replica/io/config.h"
+
+#include <torch/types.h>
+
+#include <string>
+#include <vector>
+
+namespace replica::train {
+
+// self_argv: the arguments that re-run this command (used to start workers).
+int run(const io::RunConfig& config, const std::vector<std::string>& self_argv);
+
+// One worker of the job (world from the environment, or a single process).
+int run_worker(const io::RunConfig& config);
+
+// Writes final/model.safetensors (+ config.json) for a trained model; used by run_worker.
+void save_final_model(const std::string& project_dir, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+                      const std::string& config_json);
+
+}  // namespace replica::train
