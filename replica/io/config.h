@@ -59,6 +59,15 @@ struct Params {
 
   // Image models.
   std::vector<int64_t> hidden_sizes = {256, 128};
+
+  // LLM keys of AutoTrain's LLMTrainingParams (lora_r, lora_alpha, lora_dropout, peft,
+  // target_modules, model_max_length, block_size, merge_adapter, trainer, quantization, ...),
+  // accepted for task llm-sft only. The value is the YAML scalar text, already checked to be
+  // of the key's type (numbers normalised for std::stoll/std::stod, booleans as "true" or
+  // "false", a target_modules list joined with ","); llm-sft configs hold every key, defaults
+  // included. params.chat_template / params.text_column go to data.chat_template /
+  // data.column_mapping["text_column"] instead.
+  std::map<std::string, std::string> extra;
 };
 
 struct RunConfig {
@@ -72,6 +81,26 @@ struct RunConfig {
   DataConfig data;
   Params params;
 };
+
+// Field-by-field equality; RunConfig's `source` (where it came from) is not compared.
+bool operator==(const DataConfig& a, const DataConfig& b);
+bool operator==(const Params& a, const Params& b);
+bool operator==(const RunConfig& a, const RunConfig& b);
+inline bool operator!=(const RunConfig& a, const RunConfig& b) { return !(a == b); }
+
+// The defaults of one task (the struct initializers hold the image task's): llm-sft takes
+// AutoTrain's LLMTrainingParams defaults. replica::Error listing the tasks for an unknown one.
+RunConfig default_config(const std::string& task);
+
+// The value checks parse_config applies (enumerations, ranges, required keys, existing
+// paths), for a RunConfig built another way (e.g. from command-line flags).
+void validate_config(const RunConfig& config);
+
+// Sets one `params:` key from text, as a command-line flag gives it (`key` may be spelled
+// with hyphens), by the same rules as the YAML twin: types, aliases (deepspeed, auto, null),
+// "did you mean" for unknown keys, LLM keys for llm-sft only. replica::Error on a bad key or
+// value; call validate_config afterwards for ranges and required keys.
+void set_param(RunConfig& config, const std::string& key, const std::string& value);
 
 // Parses and validates a YAML file; fills task-dependent defaults; checks that data.path
 // exists. Errors name "FILE:LINE: key 'params.lrr' ...".

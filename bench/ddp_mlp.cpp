@@ -1,0 +1,77 @@
+// replica's side of ../shared/bench/ddp_mlp.py: the same MLP, per-rank batch, steps, warm-up,
+// threads and data (Fashion-MNIST), trained through replica's DistributedDataParallel.
+// usage: replica launch --nproc-per-node W -- bench_ddp_mlp --hidden 1024 --layers 2 --batch 128 --steps 200
+// Rank 0 prints: peer=replica world=.. params=.. batch/rank=.. steps/s=.. samples/s=.. loss=..
+#include "replica/data/fashion_mnist.h"
+#include "replica/ddp/ddp.h"
+#include "replica/dist/process_group.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+int main(int argc, char** argv) {
+  int hidden = 1024, layers = 2, batch = 128, steps = 200, warmup = 20, threads = 1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    const int v = std::atoi(argv[i + 1]);
+    if (k == "--hidden") hidden = v;
+    else if (k == "--layers") layers = v;
+    else if (k == "--batch") batch = v;
+    else if (k == "--steps") steps = v;
+    else if (k == "--warmup") warmup = v;
+    else if (k == "--threads") threads = v;
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
+      return 2;
+    }
+  }
+  torch::set_num_threads(threads);
+  auto world = replica::dist::world_from_env().value_or(replica::dist::WorldInfo{});
+  auto pg = replica::dist::init_process_group(world);
+  const int rank = pg->rank(), size = pg->size();
+
+  auto data = replica::data::load_fashion_mnist(replica::data::kFashionMnistDir, "train");
+  auto X = data.images.reshape({data.size(), -1}).to(torch::kFloat32) / 255.0;
+  auto Y = data.labels;
+
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  int64_t in = 784;
+  for (int l = 0; l < layers; ++l) {
+    model->push_back(torch::nn::Linear(in, hidden));
+    model->push_back(torch::nn::ReLU());
+    in = hidden;
+  }
+  model->push_back(torch::nn::Linear(in, 10));
+  replica::ddp::DistributedDataParallel ddp(model.ptr(), pg);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const int64_t n = X.size(0);
+  auto gen = at::detail::createCPUGenerator(1);
+
+  torch::Tensor loss;
+  auto step = [&] {
+    auto idx = torch::randint(0, n, {static_cast<int64_t>(batch) * size}, gen).slice(0, rank * batch, (rank + 1) * batch);
+    opt.zero_grad();
+    loss = torch::nn::functional::cross_entropy(model->forward(X.index_select(0, idx)), Y.index_select(0, idx));
+    loss.backward();
+    opt.step();
+  };
+  for (int i = 0; i < warmup; ++i) step();
+  pg->barrier();
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) step();
+  pg->barrier();
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (rank == 0) {
+    int64_t params = 0;
+    for (auto& p : model->parameters()) params += p.numel();
+    std::printf("peer=replica world=%d params=%lld batch/rank=%d steps/s=%.2f samples/s=%.1f loss=%.4f\n", size,
+                static_cast<long long>(params), batch, steps / dt, static_cast<double>(steps) * batch * size / dt,
+                loss.item<double>());
+  }
+  return 0;
+}
