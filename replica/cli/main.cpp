@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <iostream>
 #include <set>
 
@@ -82,15 +83,26 @@ int run_main(int argc, char** argv) {
   std::string format = "text";
   env_cmd->add_option("--format", format, "text or json")->check(CLI::IsMember({"text", "json"}));
 
+  // `replica launch [options] -- PROGRAM ARGS`: everything after the first `--` is the
+  // program's, untouched by option parsing.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  std::vector<std::string> program;
+  if (!args.empty() && args.front() == "launch") {
+    auto dash = std::find(args.begin(), args.end(), "--");
+    if (dash != args.end()) {
+      program.assign(dash + 1, args.end());
+      args.erase(dash, args.end());
+    }
+  }
   try {
-    app.parse(argc, argv);
+    std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
 
   if (*launch) {
-    std::vector<std::string> command = launch->remaining();
-    if (!command.empty() && command.front() == "--") command.erase(command.begin());
+    std::vector<std::string> command = program.empty() ? launch->remaining() : program;
     if (command.empty()) replica::fail("replica launch: no program given (replica launch [options] -- PROGRAM [ARGS...])");
     lopts.nproc_per_node = replica::launch::resolve_nproc(nproc);
     lopts.command = command;
