@@ -24,6 +24,26 @@ CommHook allreduce_average_hook() {
 
 namespace {
 
+CommHook compress_hook(torch::ScalarType wire) {
+  return [wire](dist::ProcessGroup& pg, GradBucket& bucket) -> std::function<void()> {
+    if (bucket.buffer.scalar_type() == wire) return allreduce_average_hook()(pg, bucket);
+    auto compressed = std::make_shared<torch::Tensor>(bucket.buffer.to(wire).div_(pg.size()));
+    auto work = std::make_shared<dist::Work>(pg.allreduce_sum(*compressed));
+    torch::Tensor target = bucket.buffer;
+    return [work, compressed, target]() mutable {
+      work->wait();
+      target.copy_(*compressed);
+    };
+  };
+}
+
+}  // namespace
+
+CommHook bf16_compress_hook() { return compress_hook(torch::kBFloat16); }
+CommHook fp16_compress_hook() { return compress_hook(torch::kHalf); }
+
+namespace {
+
 // Same-kind tensors share a bucket; one flat broadcast per kind on construction.
 std::string kind_of(const torch::Tensor& t) {
   return std::string(c10::toString(t.scalar_type())) + "@" + t.device().str();

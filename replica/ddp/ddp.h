@@ -61,6 +61,11 @@ struct GradBucket {
 // The default hook divides by the world size and all-reduces (PyTorch's allreduce_hook).
 using CommHook = std::function<std::function<void()>(dist::ProcessGroup&, GradBucket&)>;
 CommHook allreduce_average_hook();
+// Opt-in compression (PyTorch's bf16_compress_hook / fp16_compress_hook): the bucket is cast
+// to bf16/fp16, averaged in that precision, and cast back; half the bytes on the wire, at
+// the cost of rounding. Buckets already in a 16-bit type are reduced as they are.
+CommHook bf16_compress_hook();
+CommHook fp16_compress_hook();
 
 class DistributedDataParallel {
  public:

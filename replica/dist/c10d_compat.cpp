@@ -13,22 +13,30 @@ namespace replica::dist {
 
 // ---- Work ---------------------------------------------------------------------------------
 
-struct Work::Impl {
+namespace {
+
+struct C10dWork final : Work::Impl {
+  C10dWork(c10::intrusive_ptr<c10d::Work> w, int r, const char* what) : work(std::move(w)), rank(r), what(what) {}
+  void wait() override {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      fail("rank {}: {} failed: {}", rank, what, e.what());
+    }
+  }
+  bool done() const override { return work->isCompleted(); }
   c10::intrusive_ptr<c10d::Work> work;
   int rank = 0;
   const char* what = "collective";
 };
 
+}  // namespace
+
 void Work::wait() {
-  if (!impl_) return;
-  try {
-    impl_->work->wait();
-  } catch (const std::exception& e) {
-    fail("rank {}: {} failed: {}", impl_->rank, impl_->what, e.what());
-  }
+  if (impl_) impl_->wait();
 }
 
-bool Work::done() const { return !impl_ || impl_->work->isCompleted(); }
+bool Work::done() const { return !impl_ || impl_->done(); }
 
 // ---- ProcessGroup -------------------------------------------------------------------------
 
@@ -71,11 +79,17 @@ auto guarded(int rank, const char* what, F&& f) -> decltype(f()) {
 
 Work ProcessGroup::allreduce_sum(torch::Tensor& tensor) {
   if (!impl_ || !impl_->backend) return Work();
+#if TORCH_VERSION_MAJOR < 2
+  if (tensor.scalar_type() == at::kBFloat16) {
+    fail("rank {}: Gloo in LibTorch {} cannot all-reduce bfloat16 tensors; use the shared-memory "
+         "transport (one host) or fp16", rank(), TORCH_VERSION);
+  }
+#endif
   std::vector<at::Tensor> tensors{tensor};
   auto work = guarded(rank(), "all-reduce", [&] {
     return impl_->backend->allreduce(tensors, c10d::AllreduceOptions{});
   });
-  return Work(std::make_shared<Work::Impl>(Work::Impl{work, rank(), "all-reduce"}));
+  return Work(std::make_shared<C10dWork>(work, rank(), "all-reduce"));
 }
 
 void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root) {

@@ -28,7 +28,12 @@ struct ProcessGroupOptions {
 // failure (a dead peer, a timeout) as replica::Error.
 class Work {
  public:
-  struct Impl;
+  // What a transport returns for a collective in flight.
+  struct Impl {
+    virtual ~Impl() = default;
+    virtual void wait() = 0;
+    virtual bool done() const = 0;
+  };
   Work() = default;
   explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   void wait();
