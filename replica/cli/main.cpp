@@ -1,5 +1,7 @@
 // The `replica` program: one entry point for training, launching and diagnostics.
+#include "replica/cli/bench_allreduce.h"
 #include "replica/cli/env_report.h"
+#include "replica/dist/world.h"
 #include "replica/core/error.h"
 #include "replica/io/config.h"
 #include "replica/launch/launcher.h"
@@ -79,6 +81,21 @@ int run_main(int argc, char** argv) {
       ->capture_default_str();
   launch->prefix_command();
 
+  auto* bench = app.add_subcommand("bench", "Micro-benchmarks of the communication layer");
+  bench->require_subcommand(1);
+  auto* bench_ar = bench->add_subcommand("allreduce", "All-reduce bandwidth per size and transport (like nccl-tests)");
+  replica::cli::BenchAllreduceOptions bopts;
+  std::string bench_nproc = "2";
+  bench_ar->add_option("--nproc-per-node,--nproc_per_node", bench_nproc, "Workers (N or auto)")->capture_default_str();
+  bench_ar->add_option("--min-bytes", bopts.min_bytes, "Smallest message")->capture_default_str();
+  bench_ar->add_option("--max-bytes", bopts.max_bytes, "Largest message")->capture_default_str();
+  bench_ar->add_option("--iters", bopts.iterations, "Timed iterations per size")->capture_default_str();
+  bench_ar->add_option("--warmup", bopts.warmup, "Untimed iterations per size")->capture_default_str();
+  bench_ar->add_option("--transport", bopts.transports, "Transports to measure (shm, gloo)")
+      ->check(CLI::IsMember({"shm", "gloo"}))->capture_default_str();
+  bench_ar->add_option("--dtype", bopts.dtype, "float32, bfloat16 or float16")
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))->capture_default_str();
+
   auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
   std::string format = "text";
   env_cmd->add_option("--format", format, "text or json")->check(CLI::IsMember({"text", "json"}));
@@ -107,6 +124,15 @@ int run_main(int argc, char** argv) {
     lopts.nproc_per_node = replica::launch::resolve_nproc(nproc);
     lopts.command = command;
     return replica::launch::run(lopts);
+  }
+  if (*bench_ar) {
+    if (replica::dist::world_from_env()) return replica::cli::bench_allreduce_worker(bopts);
+    replica::launch::LaunchOptions opts;
+    opts.nproc_per_node = replica::launch::resolve_nproc(bench_nproc);
+    opts.threads_per_worker = 1;
+    opts.command = {"/proc/self/exe"};
+    for (int i = 1; i < argc; ++i) opts.command.emplace_back(argv[i]);
+    return replica::launch::run(opts);
   }
   if (*env_cmd) {
     std::cout << replica::cli::env_report(format == "json");

@@ -119,6 +119,20 @@ void ProcessGroup::allgather(std::vector<torch::Tensor>& out, const torch::Tenso
   });
 }
 
+std::string ProcessGroup::transport() const {
+  if (!impl_ || !impl_->backend) return "none";
+  return "gloo";
+}
+
+void ProcessGroup::set_transport(const std::string& transport) {
+  if (transport == "gloo" || (transport == "auto")) return;
+  fail("rank {}: all-reduce transport '{}' is not available in this process group (gloo)", rank(), transport);
+}
+
+torch::Tensor ProcessGroup::alloc_buffer(int64_t numel, torch::ScalarType dtype) {
+  return torch::zeros({numel}, torch::TensorOptions().dtype(dtype));
+}
+
 void ProcessGroup::barrier() {
   if (!impl_ || !impl_->backend) return;
   guarded(rank(), "barrier", [&] { impl_->backend->barrier()->wait(); });

@@ -22,6 +22,9 @@ struct ProcessGroupOptions {
   std::chrono::milliseconds rdzv_timeout{300'000};
   std::chrono::milliseconds collective_timeout{600'000};
   std::string backend = "gloo";  // gloo (CPU); nccl where LibTorch has CUDA
+  // All-reduce transport: "auto" (shared memory when every rank is on this host, else the
+  // backend), "shm" (error unless all ranks share the host) or "gloo". Env REPLICA_TRANSPORT.
+  std::string transport = "auto";
 };
 
 // An asynchronous collective in flight. wait() blocks until it is done and rethrows a
@@ -56,6 +59,16 @@ class ProcessGroup {
   int rank() const { return world_.rank; }
   int size() const { return world_.world_size; }
   const WorldInfo& world() const { return world_; }
+  // The transport all-reduces take: "shm", "gloo", or "none" for a world of one.
+  std::string transport() const;
+  // Switch all-reduces to "shm" or "gloo" (for benchmarks and tests); replica::Error when the
+  // transport is not available in this group. Collective: every rank switches together.
+  void set_transport(const std::string& transport);
+
+  // A buffer for repeated all-reduces (DDP buckets): with the shared-memory transport it lives
+  // in shared memory, so reducing it needs no copy in or out. Collective: every rank calls it
+  // in the same order with the same sizes.
+  torch::Tensor alloc_buffer(int64_t numel, torch::ScalarType dtype);
 
   // In-place sum across ranks. Asynchronous: the tensor must not be touched until wait().
   Work allreduce_sum(torch::Tensor& tensor);
