@@ -20,6 +20,9 @@
 // the collective; so does a wait longer than `timeout`. After such a failure the object is
 // unusable (every later call throws).
 //
+// One object is used by one thread at a time (like a communicator); its tensors from alloc()
+// may be freed on any thread.
+//
 // No segment outlives the job: each is unlinked from /dev/shm as soon as every rank has mapped
 // it (the mappings stay valid), and a failed setup unlinks every segment name it knows.
 #pragma once
@@ -46,7 +49,9 @@ class ShmAllreduce {
     std::function<std::string(const std::string&)> get;
   };
 
-  static constexpr std::size_t kDefaultSliceBytes = std::size_t{8} << 20;
+  // Two slices of this size per rank: small enough to stay in cache while a step goes
+  // through copy-in, reduce-scatter and all-gather (1 MiB measured best; 32 MiB is ~2x slower).
+  static constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 
   // Collective over the `local_size` ranks of this host (constructed by all of them; local_size
   // 1 allocates nothing and makes allreduce_sum a no-op). `job_id` must be unique per instance
