@@ -159,7 +159,11 @@ void DistributedDataParallel::build_buckets(const std::vector<std::vector<size_t
     int64_t total = 0;
     for (size_t p : bucket.params) total += params_[p].numel();
     const auto& first = params_[bucket.params.front()];
-    bucket.buffer = torch::zeros({total}, first.options().requires_grad(false));
+    // From the process group: with the shared-memory transport the bucket lives in shared
+    // memory and its all-reduce needs no copy in or out.
+    bucket.buffer = first.device().is_cpu() ? pg_->alloc_buffer(total, first.scalar_type())
+                                            : torch::zeros({total}, first.options().requires_grad(false));
+    bucket.buffer.zero_();
     int64_t offset = 0;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       auto& p = params_[bucket.params[k]];

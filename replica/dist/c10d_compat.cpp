@@ -77,7 +77,7 @@ auto guarded(int rank, const char* what, F&& f) -> decltype(f()) {
 
 }  // namespace
 
-Work ProcessGroup::allreduce_sum(torch::Tensor& tensor) {
+Work ProcessGroup::backend_allreduce_sum(torch::Tensor& tensor) {
   if (!impl_ || !impl_->backend) return Work();
 #if TORCH_VERSION_MAJOR < 2
   if (tensor.scalar_type() == at::kBFloat16) {
@@ -117,20 +117,6 @@ void ProcessGroup::allgather(std::vector<torch::Tensor>& out, const torch::Tenso
     impl_->backend->allgather(outputs, inputs)->wait();
     out = outputs[0];
   });
-}
-
-std::string ProcessGroup::transport() const {
-  if (!impl_ || !impl_->backend) return "none";
-  return "gloo";
-}
-
-void ProcessGroup::set_transport(const std::string& transport) {
-  if (transport == "gloo" || (transport == "auto")) return;
-  fail("rank {}: all-reduce transport '{}' is not available in this process group (gloo)", rank(), transport);
-}
-
-torch::Tensor ProcessGroup::alloc_buffer(int64_t numel, torch::ScalarType dtype) {
-  return torch::zeros({numel}, torch::TensorOptions().dtype(dtype));
 }
 
 void ProcessGroup::barrier() {

@@ -3,6 +3,8 @@
 
 #include "replica/core/error.h"
 #include "replica/dist/c10d_compat.h"
+#include "replica/dist/shm_transport.h"
+#include "replica/core/system.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -158,14 +160,78 @@ std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
     }
   }
 
+  std::shared_ptr<ProcessGroup> pg;
   try {
-    return detail::make_process_group(store, prefix, world, options);
+    pg = detail::make_process_group(store, prefix, world, options);
   } catch (const replica::Error&) {
     throw;
   } catch (const std::exception& e) {
     fail("rank {}: building the {} process group at {} failed: {}", world.rank, options.backend,
          where, e.what());
   }
+
+  // The all-reduce transport: shared memory among the ranks of each node (hierarchical across
+  // nodes), unless Gloo is asked for.
+  std::string transport = options.transport;
+  if (transport == "auto") transport = env("REPLICA_TRANSPORT").value_or("auto");
+  if (transport != "auto" && transport != "shm" && transport != "gloo") {
+    fail("unknown all-reduce transport '{}' (auto, shm, gloo)", transport);
+  }
+  const int local = world.local_world_size;
+  const bool uniform = local >= 1 && world.world_size % local == 0 && world.local_rank < local;
+  if (transport == "shm" && !uniform) {
+    fail("rank {}: the shm transport needs the same number of workers on every node (LOCAL_WORLD_SIZE {} "
+         "does not divide WORLD_SIZE {})", world.rank, local, world.world_size);
+  }
+  if (transport != "gloo" && uniform && local > 1) {
+    const int nodes = world.world_size / local;
+    const std::string job = fmt::format("{}shm/node{}/", prefix, world.node_rank);
+    auto local_group = std::make_unique<ShmAllreduce>(world.local_rank, local, store_rendezvous(*pg),
+                                                      options.collective_timeout, job);
+    std::shared_ptr<ProcessGroup> leaders;
+    if (nodes > 1 && world.local_rank == 0) {
+      WorldInfo lw = world;
+      lw.rank = world.node_rank;
+      lw.world_size = nodes;
+      lw.local_rank = 0;
+      lw.local_world_size = 1;
+      leaders = detail::make_process_group(store, prefix + "leaders/", lw, options);
+    }
+    pg->shm_ = std::make_shared<ShmTransport>(std::move(local_group), leaders, nodes > 1, world.rank);
+    pg->use_shm_ = true;
+  }
+  return pg;
+}
+
+Work ProcessGroup::allreduce_sum(torch::Tensor& tensor) {
+  if (use_shm_ && ShmTransport::supports(tensor)) return shm_->submit(tensor);
+  return backend_allreduce_sum(tensor);
+}
+
+std::string ProcessGroup::transport() const {
+  if (size() <= 1) return "none";
+  return use_shm_ ? "shm" : "gloo";
+}
+
+void ProcessGroup::set_transport(const std::string& transport) {
+  if (transport == "gloo") {
+    use_shm_ = false;
+  } else if (transport == "shm" || transport == "auto") {
+    if (!shm_ && size() > 1) {
+      fail("rank {}: the shm transport is not active in this process group (it needs several workers per "
+           "node and was not turned off with transport: gloo)", rank());
+    }
+    use_shm_ = shm_ != nullptr;
+  } else {
+    fail("unknown all-reduce transport '{}' (auto, shm, gloo)", transport);
+  }
+}
+
+torch::Tensor ProcessGroup::alloc_buffer(int64_t numel, torch::ScalarType dtype) {
+  if (shm_ && (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf)) {
+    return shm_->alloc(numel, dtype);
+  }
+  return torch::zeros({numel}, torch::TensorOptions().dtype(dtype));
 }
 
 }  // namespace replica::dist

@@ -47,6 +47,8 @@ class Work {
   std::shared_ptr<Impl> impl_;
 };
 
+class ShmTransport;
+
 class ProcessGroup {
  public:
   struct Impl;
@@ -71,6 +73,8 @@ class ProcessGroup {
   torch::Tensor alloc_buffer(int64_t numel, torch::ScalarType dtype);
 
   // In-place sum across ranks. Asynchronous: the tensor must not be touched until wait().
+  // float32/bfloat16/float16 CPU tensors take the shared-memory transport when it is active
+  // (issued in order on its own thread); everything else goes through the backend (Gloo).
   Work allreduce_sum(torch::Tensor& tensor);
   // In-place: every rank ends with root's values.
   void broadcast(std::vector<torch::Tensor>& tensors, int root = 0);
@@ -83,8 +87,13 @@ class ProcessGroup {
   std::string store_get(const std::string& key);
 
  private:
+  friend std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo&, const ProcessGroupOptions&);
+  Work backend_allreduce_sum(torch::Tensor& tensor);
+
   WorldInfo world_;
   std::unique_ptr<Impl> impl_;
+  std::shared_ptr<ShmTransport> shm_;  // set when every rank of a node shares memory
+  bool use_shm_ = false;
 };
 
 // Rendezvous and build the group. world_size 1 gives a group whose collectives are no-ops

@@ -1,0 +1,53 @@
+// Internal: the shared-memory all-reduce as a process-group transport.
+//
+// ShmAllreduce is synchronous and single-threaded; DDP needs asynchronous all-reduces that
+// overlap backward. This runs them, in issue order, on one communication thread. With several
+// nodes it is hierarchical: sum inside the node through shared memory, then the node leaders
+// (local rank 0) all-reduce across nodes over Gloo, then the node shares the leader's result
+// (the other ranks contribute zeros to a second shared-memory sum, which adds nothing).
+#pragma once
+
+#include "replica/dist/process_group.h"
+#include "replica/dist/shm_allreduce.h"
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace replica::dist {
+
+class ShmTransport {
+ public:
+  // `leaders`: the group of node leaders when there are several nodes and this rank leads its
+  // node; null otherwise. `multi_node`: whether there are several nodes.
+  ShmTransport(std::unique_ptr<ShmAllreduce> local, std::shared_ptr<ProcessGroup> leaders, bool multi_node,
+               int rank);
+  ~ShmTransport();
+
+  Work submit(torch::Tensor tensor);
+  torch::Tensor alloc(int64_t numel, torch::ScalarType dtype);
+
+  static bool supports(const torch::Tensor& t);
+
+ private:
+  struct Task;
+  void loop();
+  void run(torch::Tensor& tensor);
+
+  std::unique_ptr<ShmAllreduce> local_;
+  std::shared_ptr<ProcessGroup> leaders_;
+  bool multi_node_;
+  int rank_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::condition_variable idle_cv_;
+  std::deque<std::shared_ptr<Task>> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace replica::dist
