@@ -1,0 +1,310 @@
+#include "replica/models/hf_model_dir.h"
+
+#include "replica/core/error.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <unistd.h>
+
+namespace replica::models {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool is_lora_name(const std::string& name) {
+  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open", path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+void write_text_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) fail("{}: cannot create {}", path, tmp);
+    out << text;
+    out.flush();
+    if (!out) fail("{}: write failed", path);
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) fail("{}: cannot rename {} into place: {}", path, tmp, ec.message());
+}
+
+void copy_file_atomically(const fs::path& from, const fs::path& to) {
+  const fs::path tmp = to.string() + ".tmp." + std::to_string(::getpid());
+  std::error_code ec;
+  fs::copy_file(from, tmp, fs::copy_options::overwrite_existing, ec);
+  if (ec) fail("{}: cannot copy to {}: {}", from.string(), tmp.string(), ec.message());
+  fs::rename(tmp, to, ec);
+  if (ec) fail("{}: cannot rename {} into place: {}", to.string(), tmp.string(), ec.message());
+}
+
+// Files save_pretrained / tokenizer.save_pretrained leave next to the weights, other than
+// config.json and the weights themselves.
+bool is_carried_file(const std::string& name) {
+  static const std::set<std::string> kNames = {
+      "generation_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+      "merges.txt", "chat_template.jinja", "chat_template.json"};
+  return kNames.count(name) || name.rfind("tokenizer", 0) == 0;
+}
+
+}  // namespace
+
+LlamaConfig read_hf_config(const std::string& dir) {
+  if (!fs::is_directory(dir)) fail("{}: not a model directory", dir);
+  return read_llama_config_file((fs::path(dir) / "config.json").string());
+}
+
+std::vector<std::string> hf_weight_files(const std::string& dir) {
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  if (fs::exists(single)) return {single.string()};
+  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
+  if (!fs::exists(index_path)) {
+    if (fs::exists(fs::path(dir) / "pytorch_model.bin") || fs::exists(fs::path(dir) / "pytorch_model.bin.index.json")) {
+      fail("{}: only pytorch_model.bin (pickle) weights found; replica reads safetensors only "
+           "(convert with save_pretrained(..., safe_serialization=True))", dir);
+    }
+    fail("{}: no model.safetensors or model.safetensors.index.json", dir);
+  }
+  json index;
+  try {
+    index = json::parse(read_text(index_path.string()));
+  } catch (const json::parse_error& e) {
+    fail("{}: not valid JSON: {}", index_path.string(), e.what());
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    fail("{}: weight_map is missing or not an object", index_path.string());
+  }
+  std::set<std::string> seen;
+  std::vector<std::string> files;
+  for (const auto& [tensor, file] : index["weight_map"].items()) {
+    if (!file.is_string()) fail("{}: weight_map entry {} is not a file name", index_path.string(), tensor);
+    const std::string name = file.get<std::string>();
+    if (name.find('/') != std::string::npos || name == "..") {
+      fail("{}: weight_map entry {} names {}, not a file in the directory", index_path.string(), tensor, name);
+    }
+    if (seen.insert(name).second) files.push_back((fs::path(dir) / name).string());
+  }
+  std::sort(files.begin(), files.end());
+  for (const auto& f : files) {
+    if (!fs::exists(f)) fail("{}: shard {} named in {} is missing", dir, f, index_path.string());
+  }
+  if (files.empty()) fail("{}: weight_map is empty", index_path.string());
+  return files;
+}
+
+torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir) {
+  const auto files = hf_weight_files(dir);
+  // Which shard the index says each tensor is in (checked when the shard is read).
+  std::map<std::string, std::string> expected_file;
+  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
+  if (files.size() > 1 || fs::path(files[0]).filename() != "model.safetensors") {
+    json index = json::parse(read_text(index_path.string()));
+    for (const auto& [tensor, file] : index["weight_map"].items()) {
+      expected_file[tensor] = (fs::path(dir) / file.get<std::string>()).string();
+    }
+  }
+
+  std::map<std::string, torch::Tensor> params;
+  for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+    if (!is_lora_name(item.key())) params[item.key()] = item.value();
+  }
+  const bool tied = model->config().tie_word_embeddings;
+  std::set<std::string> loaded;
+  std::optional<torch::ScalarType> stored;
+  torch::NoGradGuard no_grad;
+  for (const auto& path : files) {
+    auto file = io::load_safetensors(path);
+    for (const auto& [name, tensor] : file.tensors) {
+      if (ends_with(name, "rotary_emb.inv_freq")) continue;    // old checkpoints saved this buffer
+      if (tied && name == "lm_head.weight") continue;          // the embedding is the head
+      auto it = params.find(name);
+      if (it == params.end()) {
+        fail("{}: tensor {} is not a parameter of this {} model (unsupported architecture variant?)", path, name,
+             model->config().model_type);
+      }
+      const auto dt = tensor.scalar_type();
+      if (dt != torch::kFloat32 && dt != torch::kBFloat16 && dt != torch::kFloat16) {
+        fail("{}: tensor {} has dtype {}; weights must be float32, bfloat16 or float16", path, name,
+             c10::toString(dt));
+      }
+      if (tensor.sizes() != it->second.sizes()) {
+        fail("{}: tensor {} has shape {}, config.json implies {}", path, name, c10::str(tensor.sizes()),
+             c10::str(it->second.sizes()));
+      }
+      if (!loaded.insert(name).second) fail("{}: tensor {} appears in more than one weight file", path, name);
+      if (!stored) stored = dt;
+      it->second.copy_(tensor);
+    }
+    for (const auto& [tensor, shard] : expected_file) {
+      if (shard == path && !file.contains(tensor)) {
+        fail("{}: tensor {} is missing (model.safetensors.index.json places it in this shard)", path, tensor);
+      }
+    }
+  }
+  for (const auto& [name, tensor] : params) {
+    if (!loaded.count(name)) fail("{}: weight {} is missing from {}", dir, name, fmt::join(files, ", "));
+  }
+  model->set_checkpoint_dtype(stored.value_or(torch::kFloat32));
+  return model->checkpoint_dtype();
+}
+
+LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype) {
+  LlamaConfig config = read_hf_config(dir);
+  LlamaForCausalLM model(config, dtype, /*init=*/false);
+  load_hf_weights(model, dir);
+  return model;
+}
+
+io::NamedTensors hf_state_dict(const LlamaForCausalLM& model, std::optional<torch::ScalarType> dtype) {
+  if (has_lora(*model)) {
+    fail("the model has LoRA adapters attached: merge them (merge_lora) or save the adapter instead");
+  }
+  const auto target = dtype.value_or(model->checkpoint_dtype());
+  io::NamedTensors out;
+  for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+    out.emplace_back(item.key(), item.value().detach().to(torch::kCPU, target).contiguous());
+  }
+  return out;
+}
+
+void save_hf_model_dir(const LlamaForCausalLM& model, const std::string& out_dir, const std::string& source_dir,
+                       std::optional<torch::ScalarType> dtype) {
+  const auto target = dtype.value_or(model->checkpoint_dtype());
+  const std::string dtype_name = dtype_to_string(target);
+  std::error_code ec;
+  if (!source_dir.empty()) {
+    if (!fs::is_directory(source_dir)) fail("{}: not a model directory", source_dir);
+    if (fs::exists(out_dir) && fs::equivalent(out_dir, source_dir, ec)) {
+      fail("{}: cannot save a model over the directory it was loaded from", out_dir);
+    }
+  }
+  auto tensors = hf_state_dict(model, target);
+  fs::create_directories(out_dir, ec);
+  if (ec) fail("{}: cannot create directory: {}", out_dir, ec.message());
+  const fs::path out(out_dir);
+
+  io::save_safetensors((out / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  // A stale index from an earlier sharded save would point loaders at old shards.
+  fs::remove(out / "model.safetensors.index.json", ec);
+
+  bool copied_config = false;
+  if (!source_dir.empty() && fs::exists(fs::path(source_dir) / "config.json")) {
+    const auto source_config = read_llama_config_file((fs::path(source_dir) / "config.json").string());
+    if (source_config.torch_dtype == dtype_name ||
+        (source_config.torch_dtype == "float" && dtype_name == "float32")) {
+      copy_file_atomically(fs::path(source_dir) / "config.json", out / "config.json");
+      copied_config = true;
+    } else {
+      LlamaConfig c = source_config;
+      c.torch_dtype = dtype_name;
+      write_text_atomically((out / "config.json").string(), c.to_json_string());
+      copied_config = true;
+    }
+  }
+  if (!copied_config) {
+    LlamaConfig c = model->config();
+    c.torch_dtype = dtype_name;
+    write_text_atomically((out / "config.json").string(), c.to_json_string());
+  }
+  if (!source_dir.empty()) {
+    for (const auto& entry : fs::directory_iterator(source_dir)) {
+      const std::string name = entry.path().filename().string();
+      if (entry.is_regular_file() && is_carried_file(name)) copy_file_atomically(entry.path(), out / name);
+    }
+  }
+}
+
+void merge_adapter_dir(const std::string& model_dir, const std::string& adapter_dir, const std::string& out_dir) {
+  // Merge in fp32 from the stored weights (exact for bf16/fp16 checkpoints), round once on save.
+  auto model = load_hf_model(model_dir, torch::kFloat32);
+  load_adapter(*model, adapter_dir);
+  merge_lora(*model);
+  save_hf_model_dir(model, out_dir, model_dir);
+}
+
+LlamaConfig make_tiny_llama(const std::string& dir, int64_t vocab_size, const TinyLlamaOptions& o) {
+  if (vocab_size < 1) fail("make_tiny_llama: vocab_size must be at least 1, got {}", vocab_size);
+  if (o.hidden_size % o.num_attention_heads != 0 || o.num_attention_heads % o.num_key_value_heads != 0 ||
+      (o.hidden_size / o.num_attention_heads) % 2 != 0) {
+    fail("make_tiny_llama: hidden_size {}, num_attention_heads {}, num_key_value_heads {} do not fit together",
+         o.hidden_size, o.num_attention_heads, o.num_key_value_heads);
+  }
+  LlamaConfig c;
+  c.model_type = "llama";
+  c.vocab_size = vocab_size;
+  c.hidden_size = o.hidden_size;
+  c.intermediate_size = o.intermediate_size;
+  c.num_hidden_layers = o.num_hidden_layers;
+  c.num_attention_heads = o.num_attention_heads;
+  c.num_key_value_heads = o.num_key_value_heads;
+  c.head_dim = o.hidden_size / o.num_attention_heads;
+  c.rms_norm_eps = o.rms_norm_eps;
+  c.rope_theta = o.rope_theta;
+  c.max_position_embeddings = o.max_position_embeddings;
+  c.tie_word_embeddings = o.tie_word_embeddings;
+  c.bos_token_id = o.bos_token_id;
+  c.eos_token_ids = o.eos_token_ids;
+  c.pad_token_id = o.pad_token_id;
+  c.torch_dtype = dtype_to_string(o.dtype);
+  c.initializer_range = 0.02;
+  // Round trip through the parser so the written config is exactly what a load will see.
+  c = parse_llama_config(c.to_json_string(), "make_tiny_llama config");
+  c.json_text.clear();
+
+  LlamaForCausalLM model(c, torch::kFloat32, /*init=*/false);
+  {
+    // HF's _init_weights, from a private generator: N(0, initializer_range) for linear and
+    // embedding weights, zero biases, ones for the RMSNorm weights, pad row zero.
+    torch::NoGradGuard no_grad;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+    for (auto& item : model->named_parameters(true)) {
+      const std::string& name = item.key();
+      if (ends_with(name, "norm.weight")) {
+        item.value().fill_(1.0);
+      } else if (ends_with(name, ".bias")) {
+        item.value().zero_();
+      } else {
+        item.value().normal_(0.0, c.initializer_range, gen);
+      }
+    }
+    if (c.pad_token_id) model->model->embed_tokens->weight[*c.pad_token_id].zero_();
+  }
+  model->set_checkpoint_dtype(o.dtype);
+  save_hf_model_dir(model, dir, "", o.dtype);
+
+  json gen_config;
+  gen_config["_from_model_config"] = true;
+  gen_config["bos_token_id"] = c.bos_token_id ? json(*c.bos_token_id) : json(nullptr);
+  if (c.eos_token_ids.size() == 1) {
+    gen_config["eos_token_id"] = c.eos_token_ids[0];
+  } else if (c.eos_token_ids.empty()) {
+    gen_config["eos_token_id"] = nullptr;
+  } else {
+    gen_config["eos_token_id"] = c.eos_token_ids;
+  }
+  if (c.pad_token_id) gen_config["pad_token_id"] = *c.pad_token_id;
+  write_text_atomically((fs::path(dir) / "generation_config.json").string(), gen_config.dump(2) + "\n");
+  return c;
+}
+
+}  // namespace replica::models

@@ -1,0 +1,693 @@
+// The Llama family, layer by layer. Every step follows Hugging Face transformers' eager code
+// path (modeling_llama.py / modeling_qwen2.py / modeling_qwen3.py / modeling_mistral.py) so
+// that the same weights give the same numbers; comments name the HF function mirrored.
+#include "replica/models/llama.h"
+
+#include "replica/core/error.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace replica::models {
+namespace {
+
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------------------------------
+// config.json parsing helpers: absent and null are the same ("use the default"); a value of
+// the wrong type is an error naming the file and the field.
+
+const json* field(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+int64_t as_int(const json& v, const char* key, const std::string& src) {
+  if (v.is_number_integer() || v.is_number_unsigned()) return v.get<int64_t>();
+  if (v.is_number_float()) {
+    double d = v.get<double>();
+    if (std::floor(d) == d && std::fabs(d) < 9e15) return static_cast<int64_t>(d);
+  }
+  fail("{}: {} must be an integer, got {}", src, key, v.dump());
+}
+
+double as_number(const json& v, const char* key, const std::string& src) {
+  if (!v.is_number()) fail("{}: {} must be a number, got {}", src, key, v.dump());
+  return v.get<double>();
+}
+
+int64_t required_int(const json& j, const char* key, const std::string& src) {
+  const json* v = field(j, key);
+  if (!v) fail("{}: required field {} is missing", src, key);
+  int64_t value = as_int(*v, key, src);
+  if (value < 1) fail("{}: {} must be at least 1, got {}", src, key, value);
+  return value;
+}
+
+int64_t optional_int(const json& j, const char* key, const std::string& src, int64_t def) {
+  const json* v = field(j, key);
+  return v ? as_int(*v, key, src) : def;
+}
+
+double optional_number(const json& j, const char* key, const std::string& src, double def) {
+  const json* v = field(j, key);
+  return v ? as_number(*v, key, src) : def;
+}
+
+bool optional_bool(const json& j, const char* key, const std::string& src, bool def) {
+  const json* v = field(j, key);
+  if (!v) return def;
+  if (!v->is_boolean()) fail("{}: {} must be true or false, got {}", src, key, v->dump());
+  return v->get<bool>();
+}
+
+std::optional<std::string> optional_string(const json& j, const char* key, const std::string& src) {
+  const json* v = field(j, key);
+  if (!v) return std::nullopt;
+  if (!v->is_string()) fail("{}: {} must be a string, got {}", src, key, v->dump());
+  return v->get<std::string>();
+}
+
+std::optional<int64_t> optional_token_id(const json& j, const char* key, const std::string& src) {
+  const json* v = field(j, key);
+  if (!v) return std::nullopt;
+  return as_int(*v, key, src);
+}
+
+// rope_scaling / rope_parameters: {"rope_type" (or "type"): "llama3", "factor": ...}.
+std::optional<RopeScaling> parse_rope_scaling(const json& r, const char* key, const std::string& src) {
+  if (!r.is_object()) fail("{}: {} must be an object or null, got {}", src, key, r.dump());
+  auto type = optional_string(r, "rope_type", src);
+  if (!type) type = optional_string(r, "type", src);
+  if (!type || *type == "default") return std::nullopt;
+  if (*type != "llama3") {
+    fail("{}: {} type '{}' is not supported (supported: llama3, default)", src, key, *type);
+  }
+  RopeScaling s;
+  s.rope_type = *type;
+  for (const char* name : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
+    if (!field(r, name)) fail("{}: {} of type llama3 needs {}", src, key, name);
+  }
+  s.factor = as_number(r["factor"], "rope_scaling.factor", src);
+  s.low_freq_factor = as_number(r["low_freq_factor"], "rope_scaling.low_freq_factor", src);
+  s.high_freq_factor = as_number(r["high_freq_factor"], "rope_scaling.high_freq_factor", src);
+  s.original_max_position_embeddings =
+      as_int(r["original_max_position_embeddings"], "rope_scaling.original_max_position_embeddings", src);
+  if (s.factor <= 0) fail("{}: {}.factor must be positive, got {}", src, key, s.factor);
+  if (!(s.high_freq_factor > s.low_freq_factor) || s.low_freq_factor <= 0) {
+    fail("{}: {} needs 0 < low_freq_factor < high_freq_factor, got {} and {}", src, key,
+         s.low_freq_factor, s.high_freq_factor);
+  }
+  if (s.original_max_position_embeddings < 1) {
+    fail("{}: {}.original_max_position_embeddings must be at least 1", src, key);
+  }
+  return s;
+}
+
+const char* architecture_name(const std::string& model_type) {
+  if (model_type == "llama") return "LlamaForCausalLM";
+  if (model_type == "mistral") return "MistralForCausalLM";
+  if (model_type == "qwen2") return "Qwen2ForCausalLM";
+  return "Qwen3ForCausalLM";
+}
+
+// HF's rotate_half: split the last dimension in two halves (x1, x2) -> (-x2, x1).
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  auto x1 = x.narrow(-1, 0, half);
+  auto x2 = x.narrow(-1, half, half);
+  return torch::cat({-x2, x1}, -1);
+}
+
+// HF's apply_rotary_pos_emb for one tensor [B, heads, T, D]; cos/sin [B, T, D].
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  auto c = cos.unsqueeze(1);
+  auto s = sin.unsqueeze(1);
+  return (x * c) + (rotate_half(x) * s);
+}
+
+void check_token_ids(const torch::Tensor& ids, int64_t vocab_size, const char* what) {
+  if (ids.numel() == 0) return;
+  const int64_t lo = ids.min().item<int64_t>();
+  const int64_t hi = ids.max().item<int64_t>();
+  if (lo < 0 || hi >= vocab_size) {
+    fail("{}: token id {} is out of range for vocab_size {}", what, lo < 0 ? lo : hi, vocab_size);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Config
+
+torch::ScalarType dtype_from_string(const std::string& name, const std::string& source) {
+  if (name == "float32" || name == "float") return torch::kFloat32;
+  if (name == "bfloat16") return torch::kBFloat16;
+  if (name == "float16" || name == "half") return torch::kFloat16;
+  fail("{}: torch_dtype '{}' is not supported (supported: float32, bfloat16, float16)", source, name);
+}
+
+std::string dtype_to_string(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kFloat32: return "float32";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kFloat16: return "float16";
+    default: fail("dtype {} cannot be written as a model torch_dtype (float32, bfloat16, float16)",
+                  c10::toString(dtype));
+  }
+}
+
+LlamaConfig parse_llama_config(const std::string& json_text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    fail("{}: not valid JSON: {}", source, e.what());
+  }
+  if (!j.is_object()) fail("{}: not a JSON object", source);
+
+  LlamaConfig c;
+  c.json_text = json_text;
+  auto model_type = optional_string(j, "model_type", source);
+  if (!model_type) fail("{}: model_type is missing (supported: llama, mistral, qwen2, qwen3)", source);
+  c.model_type = *model_type;
+  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" &&
+      c.model_type != "qwen3") {
+    fail("{}: model_type '{}' is not supported (supported: llama, mistral, qwen2, qwen3)", source,
+         c.model_type);
+  }
+  if (const json* arch = field(j, "architectures")) {
+    if (!arch->is_array()) fail("{}: architectures must be a list, got {}", source, arch->dump());
+    for (const auto& a : *arch) {
+      if (!a.is_string()) fail("{}: architectures must list strings, got {}", source, a.dump());
+      const std::string name = a.get<std::string>();
+      const std::string suffix = "ForCausalLM";
+      if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+        fail("{}: architectures entry '{}' is not supported (replica loads *ForCausalLM models)", source, name);
+      }
+    }
+  }
+  if (const json* q = field(j, "quantization_config")) {
+    fail("{}: quantization_config is not supported (quantized weights); got {}", source, q->dump());
+  }
+  if (field(j, "partial_rotary_factor") &&
+      optional_number(j, "partial_rotary_factor", source, 1.0) != 1.0) {
+    fail("{}: partial_rotary_factor {} is not supported (only 1.0)", source,
+         optional_number(j, "partial_rotary_factor", source, 1.0));
+  }
+
+  c.vocab_size = required_int(j, "vocab_size", source);
+  c.hidden_size = required_int(j, "hidden_size", source);
+  c.intermediate_size = required_int(j, "intermediate_size", source);
+  c.num_hidden_layers = required_int(j, "num_hidden_layers", source);
+  c.num_attention_heads = required_int(j, "num_attention_heads", source);
+  c.num_key_value_heads = field(j, "num_key_value_heads") ? required_int(j, "num_key_value_heads", source)
+                                                           : c.num_attention_heads;
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    fail("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", source,
+         c.num_attention_heads, c.num_key_value_heads);
+  }
+  if (field(j, "head_dim")) {
+    c.head_dim = required_int(j, "head_dim", source);
+  } else {
+    if (c.hidden_size % c.num_attention_heads != 0) {
+      fail("{}: hidden_size {} is not a multiple of num_attention_heads {} (and head_dim is not given)",
+           source, c.hidden_size, c.num_attention_heads);
+    }
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (c.head_dim % 2 != 0) fail("{}: head_dim {} must be even (rotary embeddings)", source, c.head_dim);
+
+  for (const char* key : {"hidden_act", "hidden_activation"}) {
+    if (auto act = optional_string(j, key, source); act && *act != "silu") {
+      fail("{}: {} '{}' is not supported (only silu)", source, key, *act);
+    }
+  }
+  c.rms_norm_eps = optional_number(j, "rms_norm_eps", source, 1e-6);
+  c.rope_theta = optional_number(j, "rope_theta", source, 10000.0);
+  if (const json* r = field(j, "rope_scaling")) c.rope_scaling = parse_rope_scaling(*r, "rope_scaling", source);
+  if (const json* r = field(j, "rope_parameters")) {  // transformers v5 spelling
+    c.rope_scaling = parse_rope_scaling(*r, "rope_parameters", source);
+    c.rope_theta = optional_number(*r, "rope_theta", source, c.rope_theta);
+  }
+  if (c.rope_theta <= 0) fail("{}: rope_theta must be positive, got {}", source, c.rope_theta);
+  c.max_position_embeddings = optional_int(j, "max_position_embeddings", source, 2048);
+  c.tie_word_embeddings = optional_bool(j, "tie_word_embeddings", source, false);
+  c.attention_dropout = optional_number(j, "attention_dropout", source, 0.0);
+  if (c.attention_dropout < 0 || c.attention_dropout >= 1) {
+    fail("{}: attention_dropout must be in [0, 1), got {}", source, c.attention_dropout);
+  }
+  c.initializer_range = optional_number(j, "initializer_range", source, 0.02);
+
+  const bool attention_bias = optional_bool(j, "attention_bias", source, false);
+  const bool mlp_bias = optional_bool(j, "mlp_bias", source, false);
+  if (c.model_type == "llama") {
+    c.qkv_bias = c.o_bias = attention_bias;  // LlamaAttention: bias=config.attention_bias on all four
+    c.mlp_bias = mlp_bias;
+  } else if (c.model_type == "qwen3") {
+    c.qkv_bias = c.o_bias = attention_bias;
+    c.qk_norm = true;
+  } else if (c.model_type == "qwen2") {
+    c.qkv_bias = true;  // Qwen2Attention: q/k/v always biased, o_proj never
+  }
+  if (c.model_type != "llama" && mlp_bias) fail("{}: mlp_bias true is not supported for {}", source, c.model_type);
+  if ((c.model_type == "mistral" || c.model_type == "qwen2") && attention_bias) {
+    fail("{}: attention_bias true is not supported for {}", source, c.model_type);
+  }
+
+  // Sliding-window attention: Mistral applies sliding_window whenever it is set; Qwen2/3 only
+  // with use_sliding_window. replica accepts it and checks each sequence fits the window.
+  bool window_in_effect = c.model_type == "mistral" ||
+      ((c.model_type == "qwen2" || c.model_type == "qwen3") && optional_bool(j, "use_sliding_window", source, false));
+  if (const json* types = field(j, "layer_types")) {  // newer configs list each layer's kind
+    if (!types->is_array()) fail("{}: layer_types must be a list, got {}", source, types->dump());
+    for (const auto& t : *types) {
+      if (!t.is_string()) fail("{}: layer_types must list strings, got {}", source, t.dump());
+      const std::string kind = t.get<std::string>();
+      if (kind == "sliding_attention") {
+        window_in_effect = true;
+      } else if (kind != "full_attention") {
+        fail("{}: layer_types entry '{}' is not supported (full_attention, sliding_attention)", source, kind);
+      }
+    }
+  }
+  if (window_in_effect && field(j, "sliding_window")) {
+    int64_t w = as_int(j["sliding_window"], "sliding_window", source);
+    if (w < 1) fail("{}: sliding_window must be at least 1 or null, got {}", source, w);
+    c.sliding_window = w;
+  }
+
+  std::optional<std::string> dtype = optional_string(j, "torch_dtype", source);
+  if (!dtype) dtype = optional_string(j, "dtype", source);
+  if (dtype) {
+    dtype_from_string(*dtype, source);  // validates
+    c.torch_dtype = *dtype;
+  }
+
+  c.bos_token_id = optional_token_id(j, "bos_token_id", source);
+  c.pad_token_id = optional_token_id(j, "pad_token_id", source);
+  if (const json* eos = field(j, "eos_token_id")) {
+    if (eos->is_array()) {
+      for (const auto& e : *eos) c.eos_token_ids.push_back(as_int(e, "eos_token_id", source));
+    } else {
+      c.eos_token_ids.push_back(as_int(*eos, "eos_token_id", source));
+    }
+  }
+  if (c.pad_token_id && (*c.pad_token_id < 0 || *c.pad_token_id >= c.vocab_size)) {
+    c.pad_token_id.reset();  // HF would fail in nn.Embedding; an out-of-range pad just means "none"
+  }
+  return c;
+}
+
+LlamaConfig read_llama_config_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open (a model directory needs config.json)", path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return parse_llama_config(buffer.str(), path);
+}
+
+void LlamaConfig::check_sequence_length(int64_t length) const {
+  if (sliding_window && length > *sliding_window) {
+    fail("sliding_window {} (config.json of this {} model) is shorter than the sequence of {} tokens; "
+         "replica has no sliding-window attention, so sequences must fit in the window "
+         "(lower model_max_length/block_size to at most {})",
+         *sliding_window, model_type, length, *sliding_window);
+  }
+}
+
+std::string LlamaConfig::to_json_string() const {
+  json j;
+  if (!json_text.empty()) {
+    j = json::parse(json_text);
+    if (j.contains("dtype") && !j.contains("torch_dtype")) {
+      j["dtype"] = torch_dtype;
+    } else {
+      j["torch_dtype"] = torch_dtype;
+    }
+    return j.dump(2) + "\n";
+  }
+  // A fresh config in the layout transformers' save_pretrained writes (sorted keys).
+  j["architectures"] = json::array({architecture_name(model_type)});
+  j["model_type"] = model_type;
+  j["attention_dropout"] = attention_dropout;
+  j["bos_token_id"] = bos_token_id ? json(*bos_token_id) : json(nullptr);
+  if (eos_token_ids.size() == 1) {
+    j["eos_token_id"] = eos_token_ids[0];
+  } else if (eos_token_ids.empty()) {
+    j["eos_token_id"] = nullptr;
+  } else {
+    j["eos_token_id"] = eos_token_ids;
+  }
+  if (pad_token_id) j["pad_token_id"] = *pad_token_id;
+  j["head_dim"] = head_dim;
+  j["hidden_act"] = "silu";
+  j["hidden_size"] = hidden_size;
+  j["initializer_range"] = initializer_range;
+  j["intermediate_size"] = intermediate_size;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["num_attention_heads"] = num_attention_heads;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_key_value_heads"] = num_key_value_heads;
+  j["rms_norm_eps"] = rms_norm_eps;
+  if (rope_scaling) {
+    j["rope_scaling"] = {{"rope_type", rope_scaling->rope_type},
+                         {"factor", rope_scaling->factor},
+                         {"low_freq_factor", rope_scaling->low_freq_factor},
+                         {"high_freq_factor", rope_scaling->high_freq_factor},
+                         {"original_max_position_embeddings", rope_scaling->original_max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  j["rope_theta"] = rope_theta;
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  j["torch_dtype"] = torch_dtype;
+  j["use_cache"] = true;
+  j["vocab_size"] = vocab_size;
+  if (model_type == "llama" || model_type == "qwen3") j["attention_bias"] = o_bias;
+  if (model_type == "llama") {
+    j["mlp_bias"] = mlp_bias;
+    j["pretraining_tp"] = 1;
+  }
+  if (model_type == "mistral") j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
+  if (model_type == "qwen2" || model_type == "qwen3") {
+    j["use_sliding_window"] = sliding_window.has_value();
+    j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
+    j["max_window_layers"] = num_hidden_layers;
+  }
+  return j.dump(2) + "\n";
+}
+
+// ---------------------------------------------------------------------------------------
+// Layers
+
+EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding_idx,
+                             torch::ScalarType dtype) {
+  weight = register_parameter("weight", torch::empty({num_embeddings, dim}, torch::dtype(dtype)));
+  padding_idx_ = padding_idx.value_or(-1);
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
+  // F.embedding(ids, weight, padding_idx): a row lookup; the pad row's gradient is dropped.
+  return torch::embedding(weight, ids, padding_idx_);
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}, torch::dtype(dtype)));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  // LlamaRMSNorm.forward: normalise in fp32, cast back, then scale by the weight.
+  const auto input_dtype = x.scalar_type();
+  auto h = x.to(torch::kFloat32);
+  auto variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * torch::rsqrt(variance + eps_);
+  return weight * h.to(input_dtype);
+}
+
+RotaryEmbedding::RotaryEmbedding(const LlamaConfig& config) {
+  // _compute_default_rope_parameters: inv_freq[i] = 1 / theta^(2i / dim), in fp32.
+  const int64_t dim = config.head_dim;
+  auto exponent = torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / dim;
+  inv_freq_ = torch::reciprocal(torch::pow(torch::scalar_tensor(config.rope_theta, torch::kFloat32), exponent));
+
+  if (config.rope_scaling) {
+    // _compute_llama3_parameters: keep high frequencies (wavelength < original context /
+    // high_freq_factor), divide low frequencies (wavelength > original context /
+    // low_freq_factor) by factor, and interpolate smoothly in between.
+    const RopeScaling& s = *config.rope_scaling;
+    const double old_context_len = static_cast<double>(s.original_max_position_embeddings);
+    const double low_freq_wavelen = old_context_len / s.low_freq_factor;
+    const double high_freq_wavelen = old_context_len / s.high_freq_factor;
+    auto wavelen = torch::reciprocal(inv_freq_) * (2 * M_PI);
+    auto inv_freq_llama = torch::where(wavelen > low_freq_wavelen, inv_freq_ / s.factor, inv_freq_);
+    auto smooth_factor = (torch::reciprocal(wavelen) * old_context_len - s.low_freq_factor) /
+                         (s.high_freq_factor - s.low_freq_factor);
+    auto smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / s.factor + smooth_factor * inv_freq_llama;
+    auto is_medium_freq = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+    inv_freq_ = torch::where(is_medium_freq, smoothed_inv_freq, inv_freq_llama);
+  }
+}
+
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::forward(const torch::Tensor& position_ids,
+                                                                 torch::ScalarType dtype) {
+  // LlamaRotaryEmbedding.forward: angles = position * inv_freq in fp32, duplicated across the
+  // two halves of head_dim (the rotate_half layout), then cos/sin cast to the compute dtype.
+  if (inv_freq_.device() != position_ids.device()) inv_freq_ = inv_freq_.to(position_ids.device());
+  auto freqs = position_ids.to(torch::kFloat32).unsqueeze(-1) * inv_freq_;  // [B, T, D/2]
+  auto emb = torch::cat({freqs, freqs}, -1);                                 // [B, T, D]
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init)
+    : num_heads_(c.num_attention_heads),
+      num_kv_heads_(c.num_key_value_heads),
+      head_dim_(c.head_dim),
+      attention_dropout_(c.attention_dropout) {
+  const double std = c.initializer_range;
+  q_proj = register_module("q_proj", LoraLinear(c.hidden_size, num_heads_ * head_dim_, c.qkv_bias, dtype, init, std));
+  k_proj = register_module("k_proj", LoraLinear(c.hidden_size, num_kv_heads_ * head_dim_, c.qkv_bias, dtype, init, std));
+  v_proj = register_module("v_proj", LoraLinear(c.hidden_size, num_kv_heads_ * head_dim_, c.qkv_bias, dtype, init, std));
+  o_proj = register_module("o_proj", LoraLinear(num_heads_ * head_dim_, c.hidden_size, c.o_bias, dtype, init, std));
+  if (c.qk_norm) {
+    q_norm = register_module("q_norm", RMSNorm(head_dim_, c.rms_norm_eps, dtype));
+    k_norm = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps, dtype));
+  }
+}
+
+torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                          const torch::Tensor& sin, const torch::Tensor& allowed) {
+  const int64_t B = x.size(0), T = x.size(1);
+  // Project to per-head queries, keys and values: [B, T, heads, D].
+  auto q = q_proj(x).view({B, T, num_heads_, head_dim_});
+  auto k = k_proj(x).view({B, T, num_kv_heads_, head_dim_});
+  auto v = v_proj(x).view({B, T, num_kv_heads_, head_dim_});
+  // Qwen3: RMSNorm over each head's vector, before rotary.
+  if (!q_norm.is_empty()) {
+    q = q_norm(q);
+    k = k_norm(k);
+  }
+  // [B, heads, T, D], then rotate q and k by their positions.
+  q = apply_rotary(q.transpose(1, 2), cos, sin);
+  k = apply_rotary(k.transpose(1, 2), cos, sin);
+  v = v.transpose(1, 2);
+  // Grouped-query attention: each key/value head serves num_heads / num_kv_heads query
+  // heads (HF's repeat_kv is the same as repeat_interleave on the head dimension).
+  const int64_t groups = num_heads_ / num_kv_heads_;
+  if (groups > 1) {
+    k = k.repeat_interleave(groups, 1);
+    v = v.repeat_interleave(groups, 1);
+  }
+  // eager_attention_forward: scores = q k^T / sqrt(D) in the compute dtype, masked, softmax
+  // in fp32, cast back, (dropout when training), times v.
+  const double scaling = std::pow(static_cast<double>(head_dim_), -0.5);
+  auto scores = torch::matmul(q, k.transpose(2, 3)) * scaling;                 // [B, h, T, T]
+  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  auto probs = torch::softmax(scores, -1, torch::kFloat32).to(q.scalar_type());
+  if (attention_dropout_ > 0 && is_training()) probs = torch::dropout(probs, attention_dropout_, true);
+  auto out = torch::matmul(probs, v);                                            // [B, h, T, D]
+  out = out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_});
+  return o_proj(out);
+}
+
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init) {
+  const double std = c.initializer_range;
+  gate_proj = register_module("gate_proj", LoraLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, init, std));
+  up_proj = register_module("up_proj", LoraLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, init, std));
+  down_proj = register_module("down_proj", LoraLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, dtype, init, std));
+}
+
+torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
+  // SwiGLU: the SiLU-gated branch times the linear branch, projected back to hidden_size.
+  return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init) {
+  self_attn = register_module("self_attn", LlamaAttention(c, dtype, init));
+  mlp = register_module("mlp", LlamaMLP(c, dtype, init));
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, dtype));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, dtype));
+}
+
+torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                             const torch::Tensor& sin, const torch::Tensor& allowed) {
+  auto h = x + self_attn(input_layernorm(x), cos, sin, allowed);
+  return h + mlp(post_attention_layernorm(h));
+}
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init)
+    : config_(c), rotary_(c) {
+  embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size, c.pad_token_id, dtype));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c, dtype, init));
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, dtype));
+}
+
+torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
+                                      const torch::Tensor& segment_ids) {
+  const int64_t B = input_ids.size(0), T = input_ids.size(1);
+  const auto device = input_ids.device();
+  auto h = embed_tokens(input_ids);  // [B, T, H] in the parameter dtype
+
+  // Which key positions each query position may attend to: causal (j <= i) and, when
+  // packing, only within its own segment: [B or 1, 1, T, T] of bool.
+  auto idx = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(device));
+  auto allowed = idx.view({T, 1}) >= idx.view({1, T});
+  torch::Tensor positions = position_ids;
+  if (segment_ids.defined()) {
+    auto same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);  // [B, T, T]
+    allowed = allowed.unsqueeze(0).logical_and(same).unsqueeze(1);
+    if (!positions.defined()) {
+      // Positions restart at 0 at each segment start: t - (index of the segment's first token).
+      auto is_start = torch::ones({B, T}, torch::TensorOptions().dtype(torch::kBool).device(device));
+      if (T > 1) is_start.narrow(1, 1, T - 1).copy_(segment_ids.narrow(1, 1, T - 1) != segment_ids.narrow(1, 0, T - 1));
+      auto start = torch::where(is_start, idx.expand({B, T}), torch::zeros_like(idx)).cummax(1);
+      positions = idx.expand({B, T}) - std::get<0>(start);
+    }
+  } else {
+    allowed = allowed.view({1, 1, T, T});
+  }
+  if (!positions.defined()) positions = idx.unsqueeze(0).expand({B, T});
+
+  auto [cos, sin] = rotary_.forward(positions, h.scalar_type());
+  for (const auto& layer : *layers) h = layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, allowed);
+  return norm(h);
+}
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init)
+    : config_(config) {
+  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16 && dtype != torch::kFloat16) {
+    fail("LlamaForCausalLM: parameter dtype {} is not supported (float32, bfloat16, float16)",
+         c10::toString(dtype));
+  }
+  checkpoint_dtype_ = dtype;
+  model = register_module("model", LlamaModel(config, dtype, init));
+  if (!config.tie_word_embeddings) {
+    lm_head = register_module("lm_head", LoraLinear(config.hidden_size, config.vocab_size, false, dtype, init,
+                                                    config.initializer_range));
+  }
+  if (init) {
+    // _init_weights for embeddings: N(0, initializer_range), pad row zero. (Linear layers
+    // initialise themselves; norms start at ones.)
+    torch::NoGradGuard no_grad;
+    model->embed_tokens->weight.normal_(0.0, config.initializer_range);
+    if (config.pad_token_id) model->embed_tokens->weight[*config.pad_token_id].zero_();
+  }
+}
+
+torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
+                                            const torch::Tensor& segment_ids) {
+  if (input_ids.dim() != 2) fail("LlamaForCausalLM: input_ids must be [batch, seq], got shape {}",
+                                 c10::str(input_ids.sizes()));
+  if (!at::isIntegralType(input_ids.scalar_type(), /*includeBool=*/false)) {
+    fail("LlamaForCausalLM: input_ids must be integer token ids, got {}", c10::toString(input_ids.scalar_type()));
+  }
+  for (const auto* t : {&position_ids, &segment_ids}) {
+    if (t->defined() && t->sizes() != input_ids.sizes()) {
+      fail("LlamaForCausalLM: {} has shape {}, input_ids {}", t == &position_ids ? "position_ids" : "segment_ids",
+           c10::str(t->sizes()), c10::str(input_ids.sizes()));
+    }
+  }
+  check_token_ids(input_ids, config_.vocab_size, "LlamaForCausalLM input_ids");
+  config_.check_sequence_length(input_ids.size(1));
+
+  auto ids = input_ids.to(torch::kInt64);
+  auto h = model(ids, position_ids.defined() ? position_ids.to(torch::kInt64) : position_ids, segment_ids);
+  // The output head: hidden -> vocabulary logits (tied: the embedding matrix itself).
+  if (lm_head.is_empty()) return torch::linear(h, model->embed_tokens->weight);
+  return lm_head(h);
+}
+
+// ---------------------------------------------------------------------------------------
+// Losses
+
+TokenLoss causal_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& labels,
+                             const torch::Tensor& segment_ids) {
+  if (logits.dim() != 3) fail("causal_lm_loss: logits must be [batch, seq, vocab], got {}", c10::str(logits.sizes()));
+  if (labels.sizes() != logits.sizes().slice(0, 2)) {
+    fail("causal_lm_loss: labels shape {} does not match logits {}", c10::str(labels.sizes()),
+         c10::str(logits.sizes()));
+  }
+  const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2);
+  // ForCausalLMLoss: pad labels with -100 on the right and shift left by one, so that
+  // position t is scored against token t + 1 and the last position against nothing.
+  auto targets = torch::full({B, T}, -100, labels.options().dtype(torch::kInt64));
+  if (T > 1) {
+    auto next = labels.narrow(1, 1, T - 1).to(torch::kInt64);
+    if (segment_ids.defined()) {
+      auto same = segment_ids.narrow(1, 1, T - 1) == segment_ids.narrow(1, 0, T - 1);
+      next = torch::where(same, next, torch::full_like(next, -100));
+    }
+    targets.narrow(1, 0, T - 1).copy_(next);
+  }
+  auto flat_targets = targets.view({-1});
+  auto sum = torch::nn::functional::cross_entropy(
+      logits.to(torch::kFloat32).reshape({-1, V}), flat_targets,
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+  return {sum, (flat_targets != -100).sum()};
+}
+
+torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels,
+                             const torch::Tensor& segment_ids) {
+  auto parts = causal_lm_loss_sum(logits, labels, segment_ids);
+  return parts.sum / parts.count.clamp_min(1).to(torch::kFloat32);
+}
+
+double mean_token_loss(LlamaForCausalLM& model, const std::vector<std::vector<int32_t>>& samples,
+                       const std::vector<std::vector<uint8_t>>* loss_mask) {
+  if (loss_mask && loss_mask->size() != samples.size()) {
+    fail("mean_token_loss: {} loss masks for {} samples", loss_mask->size(), samples.size());
+  }
+  const bool was_training = model->is_training();
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const auto device = model->model->embed_tokens->weight.device();
+  double total = 0.0;
+  int64_t count = 0;
+  try {
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const auto& ids = samples[i];
+      if (loss_mask && (*loss_mask)[i].size() != ids.size()) {
+        fail("mean_token_loss: sample {} has {} tokens but its loss mask has {}", i, ids.size(),
+             (*loss_mask)[i].size());
+      }
+      if (ids.size() < 2) continue;  // nothing to predict
+      const int64_t n = static_cast<int64_t>(ids.size());
+      auto input = torch::from_blob(const_cast<int32_t*>(ids.data()), {1, n}, torch::kInt32).to(device, torch::kInt64);
+      for (int32_t id : ids) {
+        if (id < 0 || id >= model->config().vocab_size) {
+          fail("mean_token_loss: sample {} has token id {}, out of range for vocab_size {}", i, id,
+               model->config().vocab_size);
+        }
+      }
+      // Log-probabilities in fp32 of tokens 1..n-1 given their prefixes.
+      auto logits = model->forward(input).to(torch::kFloat32)[0];           // [n, V]
+      auto logp = torch::log_softmax(logits.narrow(0, 0, n - 1), -1);        // [n-1, V]
+      auto target = input[0].narrow(0, 1, n - 1);
+      auto nll = -logp.gather(1, target.unsqueeze(1)).squeeze(1).to(torch::kFloat64).cpu();  // [n-1]
+      auto acc = nll.accessor<double, 1>();
+      for (int64_t t = 1; t < n; ++t) {
+        if (loss_mask && !(*loss_mask)[i][t]) continue;
+        total += acc[t - 1];
+        ++count;
+      }
+    }
+  } catch (...) {
+    model->train(was_training);
+    throw;
+  }
+  model->train(was_training);
+  if (count == 0) fail("mean_token_loss: no token to predict ({} samples, all shorter than 2 tokens or masked out)",
+                       samples.size());
+  return total / static_cast<double>(count);
+}
+
+}  // namespace replica::models

@@ -1,0 +1,415 @@
+// LoRA as PEFT implements it (peft/tuners/lora/layer.py: Linear.update_layer, forward,
+// get_delta_weight, merge), and PEFT's adapter directory layout.
+#include "replica/models/lora.h"
+
+#include "replica/core/error.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <unistd.h>
+
+namespace replica::models {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+// PEFT's saved names: the PeftModel wraps the model as base_model (LoraModel) -> model.
+constexpr const char* kPeftPrefix = "base_model.model.";
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string last_component(const std::string& name) {
+  auto dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
+bool in_decoder_layers(const std::string& name) {
+  return name.rfind("layers.", 0) == 0 || name.find(".layers.") != std::string::npos;
+}
+
+// Every LoraLinear of the model with its full name, in registration order.
+std::vector<std::pair<std::string, std::shared_ptr<LoraLinearImpl>>> lora_linears(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, std::shared_ptr<LoraLinearImpl>>> out;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (auto layer = std::dynamic_pointer_cast<LoraLinearImpl>(item.value())) out.emplace_back(item.key(), layer);
+  }
+  return out;
+}
+
+void write_text_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) fail("{}: cannot create {}", path, tmp);
+    out << text;
+    out.flush();
+    if (!out) fail("{}: write failed", path);
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) fail("{}: cannot rename {} into place: {}", path, tmp, ec.message());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+
+LoraLinearImpl::LoraLinearImpl(int64_t in_features, int64_t out_features, bool with_bias,
+                               torch::ScalarType dtype, bool init, double init_std)
+    : in_features_(in_features), out_features_(out_features) {
+  if (in_features < 1 || out_features < 1) {
+    fail("LoraLinear: sizes must be at least 1, got in {} out {}", in_features, out_features);
+  }
+  weight = register_parameter("weight", torch::empty({out_features, in_features}, torch::dtype(dtype)));
+  if (with_bias) bias = register_parameter("bias", torch::empty({out_features}, torch::dtype(dtype)));
+  if (init) {
+    torch::NoGradGuard no_grad;
+    weight.normal_(0.0, init_std);
+    if (with_bias) bias.zero_();
+  }
+}
+
+torch::Tensor LoraLinearImpl::forward(const torch::Tensor& x) {
+  // The frozen base layer: x W^T + b.
+  auto result = torch::linear(x, weight, bias);
+  if (lora_A.is_empty()) return result;
+  // PEFT Linear.forward: the LoRA branch runs in the adapter's dtype on the (dropped-out)
+  // input, scaled, added, and the sum cast back to the base output's dtype.
+  const auto result_dtype = result.scalar_type();
+  auto h = x.to(lora_A->weight.scalar_type());
+  if (dropout_ > 0) h = torch::dropout(h, dropout_, is_training());
+  result = result + lora_B(lora_A(h)) * scaling_;
+  return result.to(result_dtype);
+}
+
+void LoraLinearImpl::add_lora(int64_t r, double scaling, double dropout) {
+  if (!lora_A.is_empty()) fail("LoraLinear: an adapter is already attached");
+  if (r < 1) fail("LoRA: r must be at least 1, got {}", r);
+  const auto options = torch::TensorOptions().dtype(torch::kFloat32).device(weight.device());
+  // update_layer + reset_lora_parameters(init_lora_weights=True): A kaiming-uniform with
+  // a = sqrt(5) (nn.Linear's default), B zeros, so the adapter starts as the identity.
+  lora_A = register_module("lora_A", torch::nn::Linear(torch::nn::LinearOptions(in_features_, r).bias(false)));
+  lora_B = register_module("lora_B", torch::nn::Linear(torch::nn::LinearOptions(r, out_features_).bias(false)));
+  lora_A->to(options.device());
+  lora_B->to(options.device());
+  torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(lora_A->weight, std::sqrt(5.0));
+  lora_B->weight.zero_();
+  scaling_ = scaling;
+  dropout_ = dropout;
+}
+
+void LoraLinearImpl::merge_lora() {
+  if (lora_A.is_empty()) return;
+  torch::NoGradGuard no_grad;
+  // get_delta_weight: (B @ A) * scaling, in fp32; W + delta rounded once to W's dtype.
+  auto delta = torch::matmul(lora_B->weight.to(torch::kFloat32), lora_A->weight.to(torch::kFloat32)) * scaling_;
+  weight.copy_(weight.to(torch::kFloat32) + delta.to(weight.device()));
+  remove_lora();
+}
+
+void LoraLinearImpl::remove_lora() {
+  if (lora_A.is_empty()) return;
+  unregister_module("lora_A");
+  unregister_module("lora_B");
+  lora_A = nullptr;
+  lora_B = nullptr;
+}
+
+double LoraConfig::scaling() const {
+  return use_rslora ? lora_alpha / std::sqrt(static_cast<double>(r)) : lora_alpha / static_cast<double>(r);
+}
+
+// ---------------------------------------------------------------------------------------
+
+std::vector<std::string> apply_lora(torch::nn::Module& model, LoraConfig& config) {
+  if (config.r < 1) fail("LoRA: r must be at least 1, got {}", config.r);
+  if (!(config.lora_dropout >= 0 && config.lora_dropout < 1)) {
+    fail("LoRA: lora_dropout must be in [0, 1), got {}", config.lora_dropout);
+  }
+  if (config.target_modules.empty()) fail("LoRA: target_modules is empty");
+  if (has_lora(model)) fail("LoRA: the model already has adapters");
+
+  const auto layers = lora_linears(model);
+  const bool all_linear = !config.target_modules_is_regex && config.target_modules.size() == 1 &&
+                          config.target_modules[0] == "all-linear";
+  std::optional<std::regex> pattern;
+  if (config.target_modules_is_regex) {
+    if (config.target_modules.size() != 1) fail("LoRA: a regex target_modules must be a single string");
+    try {
+      pattern.emplace(config.target_modules[0]);
+    } catch (const std::regex_error& e) {
+      fail("LoRA: target_modules regex '{}' is invalid: {}", config.target_modules[0], e.what());
+    }
+  }
+  auto matches = [&](const std::string& name, const std::string& target) {
+    return name == target || ends_with(name, "." + target);
+  };
+
+  std::vector<std::string> adapted;
+  std::set<std::string> suffixes;
+  std::set<std::string> used_targets;
+  for (const auto& [name, layer] : layers) {
+    bool hit = false;
+    if (all_linear) {
+      // Every linear layer inside the decoder layers; never the output head.
+      hit = in_decoder_layers(name) && last_component(name) != "lm_head";
+    } else if (pattern) {
+      hit = std::regex_match(name, *pattern);
+    } else {
+      for (const auto& t : config.target_modules) {
+        if (matches(name, t)) {
+          hit = true;
+          used_targets.insert(t);
+        }
+      }
+    }
+    if (!hit) continue;
+    if (last_component(name) == "lm_head") fail("LoRA: target module lm_head is not supported (the output head)");
+    adapted.push_back(name);
+    suffixes.insert(last_component(name));
+  }
+  if (!all_linear && !pattern) {
+    // A target that names no linear layer is a typo or an unsupported module (embeddings,
+    // norms): refuse it rather than train something else than asked.
+    std::set<std::string> all_names;
+    for (const auto& item : model.named_modules("", false)) all_names.insert(item.key());
+    for (const auto& t : config.target_modules) {
+      if (used_targets.count(t)) continue;
+      for (const auto& n : all_names) {
+        if (matches(n, t)) fail("LoRA: target module '{}' ({}) is not a linear layer; only linear layers take adapters", t, n);
+      }
+      fail("LoRA: target module '{}' not found in the model (linear layers are named like {})", t,
+           layers.empty() ? std::string("<none>") : layers.front().first);
+    }
+  }
+  if (adapted.empty()) fail("LoRA: target_modules {} matched no linear layer", fmt::join(config.target_modules, ", "));
+
+  // get_peft_model with bias "none": every base parameter is frozen.
+  for (auto& p : model.parameters()) p.set_requires_grad(false);
+  const double scaling = config.scaling();
+  std::set<std::string> chosen(adapted.begin(), adapted.end());
+  for (const auto& [name, layer] : layers) {
+    if (chosen.count(name)) layer->add_lora(config.r, scaling, config.lora_dropout);
+  }
+  if (all_linear) config.target_modules.assign(suffixes.begin(), suffixes.end());
+  return adapted;
+}
+
+io::NamedTensors lora_state_dict(const torch::nn::Module& model) {
+  io::NamedTensors out;
+  for (const auto& [name, layer] : lora_linears(model)) {
+    if (!layer->has_lora()) continue;
+    out.emplace_back(kPeftPrefix + name + ".lora_A.weight", layer->lora_A->weight);
+    out.emplace_back(kPeftPrefix + name + ".lora_B.weight", layer->lora_B->weight);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> lora_named_parameters(const torch::nn::Module& model) {
+  return lora_state_dict(model);
+}
+
+void load_lora_state_dict(torch::nn::Module& model, const io::NamedTensors& tensors, const std::string& source) {
+  std::map<std::string, torch::Tensor> given;
+  for (const auto& [raw_name, tensor] : tensors) {
+    std::string name = raw_name;
+    // Tolerate the in-memory spelling with the adapter name (".lora_A.default.weight").
+    for (const char* part : {".lora_A.default.weight", ".lora_B.default.weight"}) {
+      if (ends_with(name, part)) {
+        name = name.substr(0, name.size() - std::strlen(part)) + std::string(part).substr(0, 7) + ".weight";
+      }
+    }
+    given[name] = tensor;
+  }
+  std::set<std::string> used;
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, target] : lora_state_dict(model)) {
+    auto it = given.find(name);
+    if (it == given.end()) fail("{}: adapter tensor {} is missing", source, name);
+    if (it->second.sizes() != target.sizes()) {
+      fail("{}: adapter tensor {} has shape {}, the model expects {} (different r or base model?)", source, name,
+           c10::str(it->second.sizes()), c10::str(target.sizes()));
+    }
+    if (!it->second.is_floating_point()) fail("{}: adapter tensor {} is not floating point", source, name);
+    const_cast<torch::Tensor&>(target).copy_(it->second);
+    used.insert(name);
+  }
+  for (const auto& [name, tensor] : given) {
+    if (!used.count(name)) fail("{}: tensor {} matches no adapter of the model", source, name);
+  }
+}
+
+void save_adapter(const torch::nn::Module& model, const LoraConfig& config, const std::string& dir) {
+  const auto tensors = lora_state_dict(model);
+  if (tensors.empty()) fail("save_adapter: the model has no LoRA adapters");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail("{}: cannot create directory: {}", dir, ec.message());
+
+  // adapter_config.json as PEFT (LoraConfig.save_pretrained) writes it.
+  json j;
+  j["alpha_pattern"] = json::object();
+  j["auto_mapping"] = nullptr;
+  j["base_model_name_or_path"] = config.base_model_name_or_path.empty() ? json(nullptr)
+                                                                          : json(config.base_model_name_or_path);
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["inference_mode"] = true;
+  j["init_lora_weights"] = true;
+  j["layer_replication"] = nullptr;
+  j["layers_pattern"] = nullptr;
+  j["layers_to_transform"] = nullptr;
+  j["loftq_config"] = json::object();
+  if (std::floor(config.lora_alpha) == config.lora_alpha) {
+    j["lora_alpha"] = static_cast<int64_t>(config.lora_alpha);
+  } else {
+    j["lora_alpha"] = config.lora_alpha;
+  }
+  j["lora_dropout"] = config.lora_dropout;
+  j["megatron_config"] = nullptr;
+  j["megatron_core"] = "megatron.core";
+  j["modules_to_save"] = nullptr;
+  j["peft_type"] = "LORA";
+  j["r"] = config.r;
+  j["rank_pattern"] = json::object();
+  j["revision"] = nullptr;
+  if (config.target_modules_is_regex) {
+    j["target_modules"] = config.target_modules.at(0);
+  } else {
+    j["target_modules"] = config.target_modules;
+  }
+  j["task_type"] = "CAUSAL_LM";
+  j["use_dora"] = false;
+  j["use_rslora"] = config.use_rslora;
+
+  // Adapter weights first, config last: a directory with a config has its weights.
+  io::NamedTensors owned;
+  for (const auto& [name, t] : tensors) owned.emplace_back(name, t.detach().cpu().contiguous());
+  io::save_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), owned, {{"format", "pt"}});
+  write_text_atomically((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
+}
+
+LoraConfig read_adapter_config(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "adapter_config.json").string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open (an adapter directory needs adapter_config.json)", path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(buffer.str());
+  } catch (const json::parse_error& e) {
+    fail("{}: not valid JSON: {}", path, e.what());
+  }
+  if (!j.is_object()) fail("{}: not a JSON object", path);
+  auto get = [&](const char* key) -> const json* {
+    auto it = j.find(key);
+    return it == j.end() || it->is_null() ? nullptr : &*it;
+  };
+  auto non_empty = [&](const char* key) {
+    const json* v = get(key);
+    return v && !(v->is_object() && v->empty()) && !(v->is_array() && v->empty()) && !(v->is_boolean() && !v->get<bool>());
+  };
+
+  const json* type = get("peft_type");
+  if (!type || !type->is_string() || type->get<std::string>() != "LORA") {
+    fail("{}: peft_type {} is not supported (only LORA)", path, type ? type->dump() : "missing");
+  }
+  if (const json* task = get("task_type"); task && (!task->is_string() || task->get<std::string>() != "CAUSAL_LM")) {
+    fail("{}: task_type {} is not supported (only CAUSAL_LM)", path, task->dump());
+  }
+  for (const char* key : {"use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform",
+                          "layer_replication", "exclude_modules", "target_parameters", "lora_bias",
+                          "trainable_token_indices"}) {
+    if (non_empty(key)) fail("{}: {} = {} is not supported", path, key, get(key)->dump());
+  }
+  if (const json* b = get("bias"); b && (!b->is_string() || b->get<std::string>() != "none")) {
+    fail("{}: bias {} is not supported (only \"none\")", path, b->dump());
+  }
+
+  LoraConfig c;
+  const json* r = get("r");
+  if (!r || !r->is_number_integer() || r->get<int64_t>() < 1) {
+    fail("{}: r must be a positive integer, got {}", path, r ? r->dump() : "missing");
+  }
+  c.r = r->get<int64_t>();
+  const json* alpha = get("lora_alpha");
+  if (!alpha || !alpha->is_number()) fail("{}: lora_alpha must be a number, got {}", path, alpha ? alpha->dump() : "missing");
+  c.lora_alpha = alpha->get<double>();
+  if (const json* d = get("lora_dropout")) {
+    if (!d->is_number()) fail("{}: lora_dropout must be a number, got {}", path, d->dump());
+    c.lora_dropout = d->get<double>();
+  } else {
+    c.lora_dropout = 0.0;
+  }
+  if (const json* rs = get("use_rslora")) {
+    if (!rs->is_boolean()) fail("{}: use_rslora must be true or false", path);
+    c.use_rslora = rs->get<bool>();
+  }
+  const json* targets = get("target_modules");
+  if (!targets) {
+    c.target_modules = {"q_proj", "v_proj"};  // PEFT's default for llama/mistral/qwen2/qwen3
+  } else if (targets->is_string()) {
+    c.target_modules = {targets->get<std::string>()};
+    c.target_modules_is_regex = targets->get<std::string>() != "all-linear";
+  } else if (targets->is_array()) {
+    c.target_modules.clear();
+    for (const auto& t : *targets) {
+      if (!t.is_string()) fail("{}: target_modules must list strings, got {}", path, t.dump());
+      c.target_modules.push_back(t.get<std::string>());
+    }
+  } else {
+    fail("{}: target_modules must be a list or a string, got {}", path, targets->dump());
+  }
+  if (const json* base = get("base_model_name_or_path"); base && base->is_string()) {
+    c.base_model_name_or_path = base->get<std::string>();
+  }
+  return c;
+}
+
+LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir) {
+  LoraConfig config = read_adapter_config(dir);
+  const fs::path weights = fs::path(dir) / "adapter_model.safetensors";
+  if (!fs::exists(weights)) {
+    if (fs::exists(fs::path(dir) / "adapter_model.bin")) {
+      fail("{}: adapter_model.bin (pickle) is not supported; save the adapter as safetensors", dir);
+    }
+    fail("{}: adapter_model.safetensors is missing", weights.string());
+  }
+  auto file = io::load_safetensors(weights.string());
+  apply_lora(model, config);
+  load_lora_state_dict(model, file.tensors, weights.string());
+  return config;
+}
+
+int merge_lora(torch::nn::Module& model) {
+  int merged = 0;
+  for (const auto& [name, layer] : lora_linears(model)) {
+    if (!layer->has_lora()) continue;
+    layer->merge_lora();
+    ++merged;
+  }
+  return merged;
+}
+
+bool has_lora(const torch::nn::Module& model) {
+  for (const auto& [name, layer] : lora_linears(model)) {
+    if (layer->has_lora()) return true;
+  }
+  return false;
+}
+
+}  // namespace replica::models
