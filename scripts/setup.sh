@@ -9,7 +9,7 @@ PACKAGES=(
   libtorch-dev libgloo-dev libopenblas0-pthread   # LibTorch 1.13 (CPU, c10d + Gloo) and a fast BLAS
   dataset-fashion-mnist                           # the default data set of the demo
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libfmt-dev libspdlog-dev zlib1g-dev
-  libpcre2-dev libsentencepiece-dev             # tokenizers: pre-tokenizer regexes, tokenizer.model
+  libpcre2-dev libsentencepiece-dev libicu-dev  # tokenizers: pre-tokenizer regexes, tokenizer.model, Unicode normalization
   libgtest-dev libgmock-dev libbenchmark-dev python3-jinja2
   iproute2 procps
 )
