@@ -1,1 +1,0 @@
-// placeholder until the text concern lands
