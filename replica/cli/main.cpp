@@ -8,6 +8,7 @@
 #include "replica/train/trainer.h"
 
 #include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <yaml-cpp/yaml.h>
 
@@ -152,6 +153,8 @@ int run_main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Logs go to stderr: stdout is for results (replica env, tokenize, llm --eval).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("replica"));
   spdlog::set_pattern("%^[%H:%M:%S %l]%$ %v");
   try {
     return run_main(argc, argv);

@@ -46,7 +46,7 @@ int64_t step_of(const fs::path& dir) {
 
 nlohmann::json TrainerState::to_json() const {
   return {{"global_step", global_step}, {"epoch", epoch},       {"micro_step", micro_step},
-          {"world_size", world_size},   {"seed", seed},         {"log_history", log_history}};
+          {"world_size", world_size},   {"batch_size", batch_size},   {"seed", seed},         {"log_history", log_history}};
 }
 
 TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string& where) {
@@ -57,6 +57,7 @@ TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string&
     s.micro_step = j.at("micro_step").get<int64_t>();
     s.world_size = j.at("world_size").get<int>();
     s.seed = j.at("seed").get<int64_t>();
+    s.batch_size = j.value("batch_size", int64_t{0});
     if (j.contains("log_history")) s.log_history = j.at("log_history");
   } catch (const std::exception& e) {
     fail("{}: not a replica trainer state: {}", where, e.what());
@@ -75,7 +76,8 @@ std::string save_checkpoint(const std::string& project_dir, const Checkpoint& ck
   std::error_code ec;
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp);
-  io::save_safetensors((tmp / "model.safetensors").string(), ckpt.model, {{"format", "pt"}});
+  io::save_safetensors((tmp / ckpt.model_file).string(), ckpt.model, {{"format", "pt"}});
+  if (ckpt.extras) ckpt.extras(tmp.string());
   io::save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
   io::save_safetensors((tmp / "rng_state.safetensors").string(), ckpt.rng);
   // trainer_state.json last: its presence in a renamed directory marks a whole checkpoint.
@@ -123,7 +125,8 @@ Checkpoint load_checkpoint(const std::string& dir) {
     fail("{}: trainer_state.json is not valid JSON: {}", dir, e.what());
   }
   c.state = TrainerState::from_json(j, state_path.string());
-  c.model = io::load_safetensors((d / "model.safetensors").string()).tensors;
+  c.model_file = fs::exists(d / "adapter_model.safetensors") ? "adapter_model.safetensors" : "model.safetensors";
+  c.model = io::load_safetensors((d / c.model_file).string()).tensors;
   c.optimizer = io::load_safetensors((d / "optimizer.safetensors").string()).tensors;
   if (fs::exists(d / "rng_state.safetensors")) {
     c.rng = io::load_safetensors((d / "rng_state.safetensors").string()).tensors;
@@ -137,7 +140,7 @@ std::optional<Checkpoint> latest_checkpoint(const std::string& project_dir,
     try {
       return load_checkpoint(dir);
     } catch (const std::exception& e) {
-      spdlog::warn("skipping checkpoint {}: {}", dir, e.what());
+      fmt::print(stderr, "warning: skipping checkpoint {}: {}\n", dir, e.what());
       if (skipped) skipped->push_back(dir);
     }
   }

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@ struct TrainerState {
   int64_t epoch = 0;             // epoch in progress
   int64_t micro_step = 0;        // micro-batches of `epoch` already consumed
   int world_size = 1;
+  int64_t batch_size = 0;        // per worker, per micro-step, when saved (0: unknown)
   int64_t seed = 0;
   nlohmann::json log_history = nlohmann::json::array();  // last metrics, for humans
   nlohmann::json to_json() const;
@@ -31,7 +33,9 @@ struct TrainerState {
 struct Checkpoint {
   std::string dir;
   TrainerState state;
-  io::NamedTensors model;
+  io::NamedTensors model;                 // written to model_file
+  std::string model_file = "model.safetensors";  // or adapter_model.safetensors (PEFT)
+  std::function<void(const std::string&)> extras;  // writes more files into the temporary dir
   io::NamedTensors optimizer;
   io::NamedTensors rng;
 };

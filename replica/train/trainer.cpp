@@ -116,29 +116,6 @@ int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg) {
   return msg[0][0].item<int64_t>();
 }
 
-void load_model_tensors(torch::nn::Module& model, const io::NamedTensors& tensors, const std::string& where) {
-  std::map<std::string, torch::Tensor> by_name(tensors.begin(), tensors.end());
-  torch::NoGradGuard no_grad;
-  auto assign = [&](const std::string& name, torch::Tensor& target) {
-    auto it = by_name.find(name);
-    if (it == by_name.end()) fail("{}: tensor '{}' is missing", where, name);
-    if (it->second.sizes() != target.sizes()) {
-      fail("{}: tensor '{}' has shape {} but the model expects {}", where, name,
-           c10::str(it->second.sizes()), c10::str(target.sizes()));
-    }
-    target.copy_(it->second);
-  };
-  for (auto& item : model.named_parameters()) assign(item.key(), item.value());
-  for (auto& item : model.named_buffers()) assign(item.key(), item.value());
-}
-
-io::NamedTensors model_tensors(torch::nn::Module& model) {
-  io::NamedTensors out;
-  for (auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value().detach());
-  for (auto& item : model.named_buffers()) out.emplace_back(item.key(), item.value().detach());
-  return out;
-}
-
 // Drops metrics of steps after the checkpoint we resume from (they will be redone).
 void truncate_metrics(const fs::path& path, int64_t last_step) {
   std::ifstream in(path);
@@ -169,12 +146,35 @@ struct Metrics {
 
 }  // namespace
 
-void save_final_model(const std::string& project_dir, const io::NamedTensors& tensors,
-                      const std::string& config_json) {
-  const fs::path final_dir = fs::path(project_dir) / "final";
+io::NamedTensors Workload::state_tensors() {
+  io::NamedTensors out;
+  auto m = model();
+  for (auto& item : m->named_parameters()) out.emplace_back(item.key(), item.value().detach());
+  for (auto& item : m->named_buffers()) out.emplace_back(item.key(), item.value().detach());
+  return out;
+}
+
+void Workload::load_state_tensors(const io::NamedTensors& tensors, const std::string& where) {
+  std::map<std::string, torch::Tensor> by_name(tensors.begin(), tensors.end());
+  torch::NoGradGuard no_grad;
+  auto m = model();
+  auto assign = [&](const std::string& name, torch::Tensor& target) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) fail("{}: tensor '{}' is missing", where, name);
+    if (it->second.sizes() != target.sizes()) {
+      fail("{}: tensor '{}' has shape {} but the model expects {}", where, name,
+           c10::str(it->second.sizes()), c10::str(target.sizes()));
+    }
+    target.copy_(it->second);
+  };
+  for (auto& item : m->named_parameters()) assign(item.key(), item.value());
+  for (auto& item : m->named_buffers()) assign(item.key(), item.value());
+}
+
+void Workload::save_final(const std::string& final_dir) {
   fs::create_directories(final_dir);
-  io::save_safetensors((final_dir / "model.safetensors").string(), tensors, {{"format", "pt"}});
-  write_file(final_dir / "config.json", config_json);
+  io::save_safetensors((fs::path(final_dir) / "model.safetensors").string(), state_tensors(), {{"format", "pt"}});
+  write_file(fs::path(final_dir) / "config.json", model_config().dump(2) + "\n");
 }
 
 int run_worker(const io::RunConfig& config) {
@@ -191,7 +191,16 @@ int run_worker(const io::RunConfig& config) {
   if (p.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
 
   dist::ProcessGroupOptions pg_options;
-  pg_options.rdzv_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.rdzv_timeout * 1000));
+  double rdzv_timeout = p.rdzv_timeout;
+  // REPLICA_RDZV_TIMEOUT applies where the configuration left the default.
+  if (auto t = env("REPLICA_RDZV_TIMEOUT"); t && p.rdzv_timeout == io::Params{}.rdzv_timeout) {
+    try {
+      rdzv_timeout = std::stod(*t);
+    } catch (...) {
+      fail("REPLICA_RDZV_TIMEOUT='{}' is not a number of seconds", *t);
+    }
+  }
+  pg_options.rdzv_timeout = std::chrono::milliseconds(static_cast<int64_t>(rdzv_timeout * 1000));
   pg_options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.collective_timeout * 1000));
   auto pg = dist::init_process_group(world, pg_options);
   const bool main = pg->rank() == 0;
@@ -220,21 +229,30 @@ int run_worker(const io::RunConfig& config) {
 
   TrainerState state;
   state.world_size = pg->size();
+  state.batch_size = p.batch_size;
   state.seed = p.seed;
   const int64_t start = decide_start(config, *pg);
   const fs::path project(config.project_name);
   if (start >= 0) {
     const std::string dir = (project / fmt::format("checkpoint-{}", start)).string();
     Checkpoint ckpt = load_checkpoint(dir);
-    load_model_tensors(*model, ckpt.model, dir + "/model.safetensors");
+    workload->load_state_tensors(ckpt.model, dir + "/" + workload->checkpoint_model_file());
     load_optimizer_state(*optimizer, p.optimizer, params, names, ckpt.optimizer);
     state = ckpt.state;
-    if (state.world_size != pg->size()) {
-      // The sampler's slices depend on the world size: the position in the epoch is kept as
-      // a count of global samples, so a different world continues from the same place.
-      const int64_t samples_done = state.micro_step * p.batch_size * state.world_size;
+    state.batch_size = p.batch_size;
+    const int64_t saved_batch = ckpt.state.batch_size > 0 ? ckpt.state.batch_size : p.batch_size;
+    if (state.world_size != pg->size() || saved_batch != p.batch_size) {
+      // The sampler's slices depend on the world size and batch: the position in the epoch is
+      // kept as a count of global samples, so a different world continues from the same place.
+      const int64_t samples_done = state.micro_step * saved_batch * state.world_size;
       state.micro_step = samples_done / (static_cast<int64_t>(p.batch_size) * pg->size());
       state.world_size = pg->size();
+    }
+    auto rng = std::find_if(ckpt.rng.begin(), ckpt.rng.end(), [](const auto& t) { return t.first == "cpu"; });
+    if (rng != ckpt.rng.end()) {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng->second);
     }
     if (main) spdlog::info("resuming from {} (step {}, epoch {})", dir, state.global_step, state.epoch);
   }
@@ -244,7 +262,8 @@ int run_worker(const io::RunConfig& config) {
     fs::create_directories(project);
     write_file(project / "config.yaml", io::to_yaml(config));
     write_file(project / "training_params.json", params_json(config).dump(2) + "\n");
-    if (start >= 0) truncate_metrics(project / "metrics.jsonl", start);
+    // Resuming: drop metrics of steps that will be redone. Fresh start: a dead run's metrics go.
+    truncate_metrics(project / "metrics.jsonl", std::max<int64_t>(start, 0));
     metrics.open(project / "metrics.jsonl");
   }
 
@@ -287,7 +306,9 @@ int run_worker(const io::RunConfig& config) {
     if (c.state.log_history.size() > 20) {
       c.state.log_history.erase(c.state.log_history.begin(), c.state.log_history.end() - 20);
     }
-    c.model = model_tensors(*model);
+    c.model = workload->state_tensors();
+    c.model_file = workload->checkpoint_model_file();
+    c.extras = [&](const std::string& dir) { workload->write_checkpoint_extras(dir); };
     c.optimizer = optimizer_state(*optimizer, p.optimizer, params, names);
     c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
     save_checkpoint(config.project_name, c, p.save_total_limit);
@@ -374,8 +395,7 @@ int run_worker(const io::RunConfig& config) {
 
   if (p.checkpoint_every > 0 && last_checkpoint != state.global_step) checkpoint();
   if (main) {
-    nlohmann::json cfg = workload->model_config();
-    save_final_model(config.project_name, model_tensors(*model), cfg.dump(2) + "\n");
+    workload->save_final((project / "final").string());
     const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
     spdlog::info("done: {} steps in {:.1f} s; model in {}/final", state.global_step, seconds, config.project_name);
   }

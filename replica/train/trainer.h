@@ -27,8 +27,4 @@ int run(const io::RunConfig& config, const std::vector<std::string>& self_argv);
 // One worker of the job (world from the environment, or a single process).
 int run_worker(const io::RunConfig& config);
 
-// Writes final/model.safetensors (+ config.json) for a trained model; used by run_worker.
-void save_final_model(const std::string& project_dir, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-                      const std::string& config_json);
-
 }  // namespace replica::train

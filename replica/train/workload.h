@@ -5,6 +5,7 @@
 #pragma once
 
 #include "replica/io/config.h"
+#include "replica/io/safetensors.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
@@ -34,6 +35,19 @@ class Workload {
   virtual EvalSums evaluate(const std::vector<int64_t>& indices) = 0;
   // What final/config.json says about the model.
   virtual nlohmann::json model_config() const = 0;
+
+  // Checkpoint contents. Default: every parameter and buffer of model() in
+  // checkpoint-STEP/model.safetensors. A PEFT run keeps only the adapter
+  // (adapter_model.safetensors + adapter_config.json, PEFT's names).
+  virtual std::string checkpoint_model_file() const { return "model.safetensors"; }
+  virtual io::NamedTensors state_tensors();
+  virtual void load_state_tensors(const io::NamedTensors& tensors, const std::string& where);
+  // Extra files a checkpoint directory needs besides the tensors (adapter_config.json).
+  virtual void write_checkpoint_extras(const std::string& dir) const {}
+  // Writes project/final/: default model.safetensors + config.json.
+  virtual void save_final(const std::string& final_dir);
+  // Tokens in the given training samples (0 when the task has no tokens): tokens_per_s.
+  virtual int64_t tokens_in(const std::vector<int64_t>& indices) const { return 0; }
 };
 
 // The workload `config.task` names; replica::Error for a task this build cannot run.

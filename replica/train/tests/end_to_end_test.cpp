@@ -1,0 +1,734 @@
+// End-to-end tests of the trainer through the real `replica` program (REPLICA_BIN), run as
+// child processes on Fashion-MNIST. Each test writes its YAML into a fresh temporary
+// directory. Children are bounded: the runner waits on their pipes with poll() and a
+// deadline, and kills the child's whole process group (and fails the test) when it
+// overstays. Nothing here sleeps to synchronise.
+#include "replica/core/error.h"
+#include "replica/io/config.h"
+#include "replica/io/safetensors.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <nlohmann/json.hpp>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kFashionMnist = "/usr/share/datasets/fashion-mnist";
+
+struct Result {
+  int exit_code = -1;       // exit status, or 128 + signal
+  bool signaled = false;
+  bool timed_out = false;
+  double seconds = 0;
+  std::string out, err;
+  std::string all() const { return out + err; }
+};
+
+std::ostream& operator<<(std::ostream& os, const Result& r) {
+  return os << "exit " << r.exit_code << (r.timed_out ? " (timed out)" : "") << " after " << r.seconds
+            << " s\n--- stdout ---\n" << r.out << "--- stderr ---\n" << r.err;
+}
+
+// Variables that would make the child a worker of some other job.
+bool is_world_variable(const std::string& name) {
+  static const char* exact[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"};
+  for (const char* e : exact) {
+    if (name == e) return true;
+  }
+  for (const char* prefix : {"OMPI_", "PMI_", "SLURM_", "REPLICA_"}) {
+    if (name.rfind(prefix, 0) == 0) return true;
+  }
+  return false;
+}
+
+// Runs `program args...` with the current environment (minus world variables) plus `env`.
+// Bounded by `limit`: on expiry the child's process group is killed and timed_out is set.
+Result run_program(const std::string& program, const std::vector<std::string>& args,
+                   const std::map<std::string, std::string>& env = {},
+                   std::chrono::seconds limit = std::chrono::seconds(60)) {
+  Result r;
+  // Everything the child needs is built before fork (only async-signal-safe calls after).
+  std::vector<std::string> argv_s = {program};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e; ++e) {
+    std::string entry(*e);
+    const std::string name = entry.substr(0, entry.find('='));
+    if (is_world_variable(name) || env.count(name) || name == "OMP_NUM_THREADS") continue;
+    env_s.push_back(entry);
+  }
+  env_s.push_back("OMP_NUM_THREADS=1");
+  for (const auto& [k, v] : env) env_s.push_back(k + "=" + v);
+  std::vector<char*> envp;
+  for (auto& e : env_s) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  int out_pipe[2], err_pipe[2];
+  if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+    ADD_FAILURE() << "pipe: " << std::strerror(errno);
+    return r;
+  }
+  const auto start = Clock::now();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    ADD_FAILURE() << "fork: " << std::strerror(errno);
+    return r;
+  }
+  if (pid == 0) {
+    setpgid(0, 0);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, 0);
+    dup2(out_pipe[1], 1);
+    dup2(err_pipe[1], 2);
+    execve(argv[0], argv.data(), envp.data());
+    const char msg[] = "exec failed\n";
+    ssize_t ignored = write(2, msg, sizeof msg - 1);
+    (void)ignored;
+    _exit(127);
+  }
+  setpgid(pid, pid);  // also from here, so the group exists whichever runs first
+  close(out_pipe[1]);
+  close(err_pipe[1]);
+
+  // Wait on the two pipes and on the child itself (a pidfd turns readable when it exits),
+  // with the deadline as poll's timeout.
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) ADD_FAILURE() << "pidfd_open: " << std::strerror(errno);
+  const auto deadline = start + limit;
+  pollfd fds[3] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}, {pidfd, POLLIN, 0}};
+  std::string* sinks[2] = {&r.out, &r.err};
+  bool exited = false;
+  int status = 0;
+  char buf[65536];
+  while (fds[0].fd >= 0 || fds[1].fd >= 0 || (!exited && pidfd >= 0)) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) {
+      r.timed_out = true;
+      break;
+    }
+    const int n = poll(fds, 3, static_cast<int>(left));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      ADD_FAILURE() << "poll: " << std::strerror(errno);
+      r.timed_out = true;
+      break;
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      const ssize_t got = read(fds[i].fd, buf, sizeof buf);
+      if (got > 0) {
+        sinks[i]->append(buf, static_cast<size_t>(got));
+      } else if (got == 0 || errno != EINTR) {
+        close(fds[i].fd);
+        fds[i].fd = -1;
+      }
+    }
+    if (fds[2].fd >= 0 && fds[2].revents != 0) {
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        exited = true;
+        close(fds[2].fd);
+        fds[2].fd = -1;
+      }
+    }
+  }
+  if (r.timed_out) {
+    kill(-pid, SIGKILL);
+    kill(pid, SIGKILL);
+  }
+  if (!exited) waitpid(pid, &status, 0);
+  for (auto& f : fds) {
+    if (f.fd >= 0) close(f.fd);
+  }
+  r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    r.signaled = true;
+    r.exit_code = 128 + WTERMSIG(status);
+  }
+  if (r.timed_out) {
+    ADD_FAILURE() << program << " did not finish within " << limit.count() << " s and was killed\n" << r;
+  }
+  return r;
+}
+
+Result replica(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {},
+               std::chrono::seconds limit = std::chrono::seconds(60)) {
+  return run_program(REPLICA_BIN, args, env, limit);
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") != std::string::npos) lines.push_back(line);
+  }
+  return lines;
+}
+
+// A TCP port nobody listens on right now.
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::map<std::string, torch::Tensor> load_model(const fs::path& file) {
+  auto f = replica::io::load_safetensors(file.string());
+  return {f.tensors.begin(), f.tensors.end()};
+}
+
+double max_abs_diff(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (const auto& [name, t] : a) {
+    auto it = b.find(name);
+    if (it == b.end()) {
+      ADD_FAILURE() << "tensor " << name << " missing";
+      return 1e30;
+    }
+    if (t.sizes() != it->second.sizes()) {
+      ADD_FAILURE() << "tensor " << name << " shapes differ";
+      return 1e30;
+    }
+    worst = std::max(worst, (t.to(torch::kDouble) - it->second.to(torch::kDouble)).abs().max().item<double>());
+  }
+  return worst;
+}
+
+bool bitwise_equal(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [name, t] : a) {
+    auto it = b.find(name);
+    if (it == b.end() || t.scalar_type() != it->second.scalar_type() || !torch::equal(t, it->second)) return false;
+  }
+  return true;
+}
+
+std::vector<nlohmann::json> metrics_of(const fs::path& project) {
+  std::vector<nlohmann::json> out;
+  for (const auto& line : lines_of(read_file(project / "metrics.jsonl"))) {
+    try {
+      out.push_back(nlohmann::json::parse(line));
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "metrics.jsonl line is not JSON: '" << line << "': " << e.what();
+    }
+  }
+  return out;
+}
+
+// Steps of the training lines (those with "loss"), in file order.
+std::vector<int64_t> train_steps(const std::vector<nlohmann::json>& metrics) {
+  std::vector<int64_t> steps;
+  for (const auto& j : metrics) {
+    if (j.contains("loss")) steps.push_back(j.at("step").get<int64_t>());
+  }
+  return steps;
+}
+
+std::vector<int64_t> one_to(int64_t n) {
+  std::vector<int64_t> v;
+  for (int64_t i = 1; i <= n; ++i) v.push_back(i);
+  return v;
+}
+
+// Whether the output has an "error: ..." line containing every one of `parts`.
+bool has_error_line(const std::string& text, const std::vector<std::string>& parts) {
+  for (const auto& line : lines_of(text)) {
+    if (line.find("error") == std::string::npos) continue;
+    bool all = true;
+    for (const auto& p : parts) all = all && line.find(p) != std::string::npos;
+    if (all) return true;
+  }
+  return false;
+}
+
+class EndToEnd : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built (cmake --build builds it)";
+    ASSERT_TRUE(fs::exists(fs::path(kFashionMnist) / "train-labels-idx1-ubyte.gz") ||
+                fs::exists(fs::path(kFashionMnist) / "train-labels-idx1-ubyte"))
+        << "Fashion-MNIST is not installed at " << kFashionMnist;
+    std::string tmpl = (fs::temp_directory_path() / "replica-e2e-XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    if (HasFailure()) {
+      std::cerr << "(test directory kept for inspection: " << dir_ << ")\n";
+      return;
+    }
+    std::error_code ignored;
+    fs::remove_all(dir_, ignored);
+  }
+
+  // The small SGD run every test starts from; `params` replaces or adds params: keys (YAML
+  // text values), `top` adds raw top-level YAML.
+  fs::path write_config(const std::string& name, const std::map<std::string, std::string>& params = {},
+                        const std::string& data_path = kFashionMnist, const std::string& valid_split = "null",
+                        const std::string& top = "") {
+    std::map<std::string, std::string> p = {
+        {"nproc_per_node", "1"},  {"max_steps", "20"},       {"batch_size", "32"},
+        {"gradient_accumulation", "1"}, {"optimizer", "sgd"}, {"lr", "0.05"},
+        {"momentum", "0.9"},      {"scheduler", "constant"}, {"warmup_steps", "0"},
+        {"max_grad_norm", "0"},   {"shuffle", "true"},       {"seed", "7"},
+        {"threads_per_worker", "1"}, {"checkpoint_every", "0"}, {"logging_steps", "1"},
+        {"hidden_sizes", "[64]"},
+    };
+    for (const auto& [k, v] : params) p[k] = v;
+    std::ostringstream y;
+    y << "task: image-classification\n"
+      << "backend: local\n"
+      << "model: mlp\n"
+      << "project_name: " << (dir_ / "project").string() << "\n"
+      << "log: jsonl\n"
+      << top << "data:\n"
+      << "  path: " << data_path << "\n"
+      << "  train_split: train\n"
+      << "  valid_split: " << valid_split << "\n"
+      << "params:\n";
+    for (const auto& [k, v] : p) y << "  " << k << ": " << v << "\n";
+    const fs::path file = dir_ / (name + ".yaml");
+    std::ofstream(file) << y.str();
+    return file;
+  }
+
+  // `replica --config FILE --project-name DIR extra...`, expected to succeed.
+  Result train(const fs::path& config, const fs::path& project, const std::vector<std::string>& extra = {},
+               const std::map<std::string, std::string>& env = {}) {
+    std::vector<std::string> args = {"--config", config.string(), "--project-name", project.string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Result r = replica(args, env);
+    EXPECT_EQ(r.exit_code, 0) << r;
+    return r;
+  }
+
+  fs::path project(const std::string& name) const { return dir_ / name; }
+
+  fs::path dir_;
+};
+
+// ---------------------------------------------------------------------------------------
+// (a) Data parallelism is invisible in the result: 2 workers x B/2 == 1 worker x B.
+
+TEST_F(EndToEnd, TwoWorkersWithHalfTheBatchMatchOneWorker) {
+  const fs::path cfg = write_config("run");
+  train(cfg, project("one"), {"--nproc-per-node", "1", "--batch-size", "32"});
+  const Result two = train(cfg, project("two"), {"--nproc-per-node", "2", "--batch-size", "16"});
+  if (HasFailure()) return;
+  const auto a = load_model(project("one") / "final" / "model.safetensors");
+  const auto b = load_model(project("two") / "final" / "model.safetensors");
+  EXPECT_LE(max_abs_diff(a, b), 1e-5);
+  // The second run really had two workers.
+  EXPECT_NE(two.all().find("2 workers"), std::string::npos) << two;
+  auto params = nlohmann::json::parse(read_file(project("two") / "training_params.json"));
+  EXPECT_EQ(params.at("nproc_per_node"), 2);
+  EXPECT_EQ(train_steps(metrics_of(project("two"))), one_to(20));  // rank 0 alone writes metrics
+}
+
+// ---------------------------------------------------------------------------------------
+// (b) Gradient accumulation (and DDP's no_sync on the micro-steps before the last).
+
+TEST_F(EndToEnd, GradientAccumulationMatchesTheLargerBatch) {
+  const fs::path cfg = write_config("run", {{"max_steps", "10"}});
+  train(cfg, project("b32"), {"--batch-size", "32", "--gradient-accumulation", "1"});
+  train(cfg, project("b8x4"), {"--batch-size", "8", "--gradient-accumulation", "4"});
+  train(cfg, project("w2b8x2"), {"--nproc-per-node", "2", "--batch-size", "8", "--gradient-accumulation", "2"});
+  if (HasFailure()) return;
+  const auto ref = load_model(project("b32") / "final" / "model.safetensors");
+  EXPECT_LE(max_abs_diff(ref, load_model(project("b8x4") / "final" / "model.safetensors")), 1e-5);
+  EXPECT_LE(max_abs_diff(ref, load_model(project("w2b8x2") / "final" / "model.safetensors")), 1e-5);
+  // 10 optimizer steps each, not 10 micro-steps.
+  EXPECT_EQ(train_steps(metrics_of(project("b8x4"))), one_to(10));
+  EXPECT_EQ(train_steps(metrics_of(project("w2b8x2"))), one_to(10));
+}
+
+// ---------------------------------------------------------------------------------------
+// (c) The launcher fails fast when a worker fails.
+
+TEST_F(EndToEnd, LaunchStopsTheGroupWhenOneRankFails) {
+  const auto start = Clock::now();
+  const Result r = replica({"launch", "--nproc-per-node", "2", "--", "sh", "-c",
+                            "if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 60"},
+                           {}, std::chrono::seconds(30));
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_LT(seconds, 5.0) << r;
+  EXPECT_NE(r.err.find("rank 1"), std::string::npos) << r;
+  EXPECT_NE(r.err.find("code 3"), std::string::npos) << r;
+}
+
+// ---------------------------------------------------------------------------------------
+// (d) Resume continues exactly where the checkpoint left off.
+
+TEST_F(EndToEnd, ResumeContinuesBitForBit) {
+  const fs::path cfg = write_config("run", {{"checkpoint_every", "10"}});
+  train(cfg, project("a"), {"--max-steps", "20"});
+
+  const fs::path b = project("b");
+  train(cfg, b, {"--max-steps", "10"});
+  if (HasFailure()) return;
+  ASSERT_TRUE(fs::is_directory(b / "checkpoint-10"));
+  ASSERT_EQ(train_steps(metrics_of(b)), one_to(10));
+  // What a run killed after step 12 (before its next checkpoint) would have left behind:
+  // metrics of steps that the resumed run redoes, and a torn last line.
+  {
+    std::ofstream m(b / "metrics.jsonl", std::ios::app);
+    m << R"({"step": 11, "epoch": 0.01, "loss": 9.0, "lr": 0.05, "samples_per_s": 1.0})" << "\n"
+      << R"({"step": 12, "epoch": 0.01, "loss": 9.0, "lr": 0.05, "samples_per_s": 1.0})" << "\n"
+      << R"({"step": 13, "epo)";
+  }
+  const Result resumed = train(cfg, b, {"--max-steps", "20"});
+  if (HasFailure()) return;
+  EXPECT_NE(resumed.all().find("resuming from"), std::string::npos) << resumed;
+  EXPECT_NE(resumed.all().find("checkpoint-10"), std::string::npos) << resumed;
+
+  const auto fa = load_model(project("a") / "final" / "model.safetensors");
+  const auto fb = load_model(b / "final" / "model.safetensors");
+  EXPECT_TRUE(bitwise_equal(fa, fb)) << "max abs diff " << max_abs_diff(fa, fb);
+  // The checkpoints at step 20 agree too (model and optimizer state).
+  EXPECT_TRUE(bitwise_equal(load_model(project("a") / "checkpoint-20" / "optimizer.safetensors"),
+                            load_model(b / "checkpoint-20" / "optimizer.safetensors")));
+
+  // Every step exactly once, in order, with none of the stale lines.
+  const auto metrics = metrics_of(b);
+  EXPECT_EQ(train_steps(metrics), one_to(20));
+  for (const auto& j : metrics) {
+    if (j.contains("loss")) EXPECT_LT(j.at("loss").get<double>(), 9.0) << j.dump();
+  }
+  // The losses of the resumed run equal those of the straight run (same data, same weights).
+  const auto ma = metrics_of(project("a"));
+  ASSERT_EQ(ma.size(), metrics.size());
+  for (size_t i = 0; i < ma.size(); ++i) {
+    EXPECT_EQ(ma[i].at("step"), metrics[i].at("step"));
+    EXPECT_DOUBLE_EQ(ma[i].at("loss").get<double>(), metrics[i].at("loss").get<double>()) << "line " << i;
+  }
+}
+
+// A checkpoint written by one world size, resumed by another with the same global batch
+// (2 workers x 16 instead of 1 x 32): the run continues from the same place in the data
+// (trainer.cpp: "the position in the epoch is kept as a count of global samples, so a
+// different world continues from the same place") and ends where the straight run ends.
+TEST_F(EndToEnd, ResumeOnAnotherWorldSizeContinuesAtTheSameSample) {
+  const fs::path cfg = write_config("run", {{"checkpoint_every", "10"}});
+  train(cfg, project("a"), {"--max-steps", "20"});
+  const fs::path b = project("b");
+  train(cfg, b, {"--max-steps", "10"});
+  const Result resumed = train(cfg, b, {"--max-steps", "20", "--nproc-per-node", "2", "--batch-size", "16"});
+  if (HasFailure()) return;
+  EXPECT_NE(resumed.all().find("resuming from"), std::string::npos) << resumed;
+  auto state = nlohmann::json::parse(read_file(b / "checkpoint-20" / "trainer_state.json"));
+  EXPECT_EQ(state.at("global_step"), 20);
+  EXPECT_EQ(state.at("world_size"), 2);
+  EXPECT_LE(max_abs_diff(load_model(project("a") / "final" / "model.safetensors"),
+                         load_model(b / "final" / "model.safetensors")),
+            1e-5)
+      << "the resumed run trained on other samples than the straight run";
+}
+
+// A project whose first attempt died before its first checkpoint holds only config.yaml,
+// training_params.json and a partial metrics.jsonl: the next run starts fresh, and its
+// metrics.jsonl must not keep the dead attempt's lines (each step exactly once).
+TEST_F(EndToEnd, FreshStartDoesNotKeepStaleMetrics) {
+  const fs::path cfg = write_config("run", {{"max_steps", "5"}});
+  const fs::path p = project("p");
+  fs::create_directories(p);
+  {
+    std::ofstream m(p / "metrics.jsonl");
+    for (int s = 1; s <= 3; ++s) {
+      m << nlohmann::json{{"step", s}, {"epoch", 0.0}, {"loss", 9.0}, {"lr", 0.05}, {"samples_per_s", 1.0}}.dump()
+        << "\n";
+    }
+  }
+  train(cfg, p);
+  if (HasFailure()) return;
+  EXPECT_EQ(train_steps(metrics_of(p)), one_to(5));
+}
+
+// A corrupt newest checkpoint is skipped with a warning naming it; the run resumes from the
+// previous one and ends where the straight run ends.
+TEST_F(EndToEnd, CorruptNewestCheckpointIsSkipped) {
+  const fs::path cfg = write_config("run", {{"checkpoint_every", "10"}, {"save_total_limit", "2"}});
+  const fs::path p = project("p");
+  train(cfg, p, {"--max-steps", "20"});
+  if (HasFailure()) return;
+  ASSERT_TRUE(fs::is_directory(p / "checkpoint-10"));
+  ASSERT_TRUE(fs::is_directory(p / "checkpoint-20"));
+  const auto straight = load_model(p / "final" / "model.safetensors");
+  const fs::path model = p / "checkpoint-20" / "model.safetensors";
+  fs::resize_file(model, fs::file_size(model) - 100);
+
+  const Result r = train(cfg, p, {"--max-steps", "20"});
+  if (HasFailure()) return;
+  bool warned = false;
+  for (const auto& line : lines_of(r.all())) {
+    warned = warned || (line.find("skipping") != std::string::npos && line.find("checkpoint-20") != std::string::npos);
+  }
+  EXPECT_TRUE(warned) << r;
+  EXPECT_NE(r.all().find("resuming from " + (p / "checkpoint-10").string()), std::string::npos) << r;
+  EXPECT_TRUE(bitwise_equal(straight, load_model(p / "final" / "model.safetensors")));
+  EXPECT_EQ(train_steps(metrics_of(p)), one_to(20));
+}
+
+// ---------------------------------------------------------------------------------------
+// (e) Bad inputs: one clear line on stderr, a non-zero exit, no hang.
+
+// A config error found before any worker starts: exactly one line, "error: ...".
+void expect_single_error_line(const Result& r, const std::vector<std::string>& parts) {
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_FALSE(r.timed_out);
+  const auto lines = lines_of(r.err);
+  ASSERT_EQ(lines.size(), 1u) << r;
+  EXPECT_EQ(lines[0].rfind("error: ", 0), 0u) << r;
+  for (const auto& p : parts) EXPECT_NE(lines[0].find(p), std::string::npos) << "missing '" << p << "'\n" << r;
+}
+
+TEST_F(EndToEnd, UnknownKeyIsAnErrorWithASuggestion) {
+  const fs::path cfg = write_config("run", {{"bach_size", "32"}});
+  const Result r = replica({"--config", cfg.string()});
+  expect_single_error_line(r, {"bach_size", "did you mean", "batch_size", cfg.string()});
+  EXPECT_LT(r.seconds, 10.0);
+  EXPECT_FALSE(fs::exists(dir_ / "project")) << "nothing may be written for a bad config";
+
+  // The same through a command-line override.
+  const fs::path good = write_config("good");
+  const Result f = replica({"--config", good.string(), "--lrr", "0.1"});
+  expect_single_error_line(f, {"lrr", "did you mean 'lr'"});
+}
+
+TEST_F(EndToEnd, WrongTypeIsAnErrorNamingTheKey) {
+  const fs::path cfg = write_config("run", {{"batch_size", "lots"}});
+  const Result r = replica({"--config", cfg.string()});
+  expect_single_error_line(r, {"batch_size", "integer", "lots", cfg.string()});
+
+  const fs::path good = write_config("good");
+  const Result f = replica({"--config", good.string(), "--max-steps", "twenty"});
+  expect_single_error_line(f, {"max_steps", "twenty"});
+}
+
+TEST_F(EndToEnd, MissingDataDirectoryIsAnErrorNamingIt) {
+  const std::string missing = (dir_ / "no-such-data").string();
+  const fs::path cfg = write_config("run", {}, missing);
+  const Result r = replica({"--config", cfg.string()});
+  expect_single_error_line(r, {"data.path", missing, "does not exist"});
+  EXPECT_FALSE(fs::exists(dir_ / "project"));
+}
+
+TEST_F(EndToEnd, CorruptOnlyCheckpointIsAnErrorNamingIt) {
+  const fs::path cfg = write_config("run", {{"checkpoint_every", "10"}, {"max_steps", "10"}});
+  const fs::path p = project("p");
+  train(cfg, p);
+  if (HasFailure()) return;
+  const fs::path model = p / "checkpoint-10" / "model.safetensors";
+  ASSERT_TRUE(fs::exists(model));
+  fs::resize_file(model, fs::file_size(model) / 3);
+
+  const Result r = replica({"--config", cfg.string(), "--project-name", p.string(), "--max-steps", "20"});
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_TRUE(has_error_line(r.err, {(p / "checkpoint-10").string(), "no usable checkpoint"})) << r;
+  EXPECT_NE(r.err.find("--overwrite"), std::string::npos) << r;
+  // Nothing was trained over the corrupt project.
+  EXPECT_FALSE(fs::exists(p / "checkpoint-20"));
+  EXPECT_EQ(train_steps(metrics_of(p)), one_to(10));
+
+  // --overwrite starts afresh.
+  const Result fresh = replica({"--config", cfg.string(), "--project-name", p.string(), "--max-steps", "5",
+                                "--checkpoint-every", "0", "--overwrite"});
+  EXPECT_EQ(fresh.exit_code, 0) << fresh;
+  EXPECT_FALSE(fs::exists(p / "checkpoint-10"));
+  EXPECT_EQ(train_steps(metrics_of(p)), one_to(5));
+}
+
+TEST_F(EndToEnd, BusyRendezvousPortIsAnError) {
+  // Hold a listening socket on a port, then ask for it.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(listen(fd, 4), 0);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+
+  const fs::path cfg = write_config("run");
+  const Result r = replica({"--config", cfg.string(), "--nproc-per-node", "2", "--master-port", std::to_string(port)},
+                           {}, std::chrono::seconds(60));
+  close(fd);
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_TRUE(has_error_line(r.err, {"already in use", std::to_string(port)})) << r;
+  EXPECT_LT(r.seconds, 20.0) << r;
+  EXPECT_FALSE(fs::exists(dir_ / "project" / "final"));
+}
+
+TEST_F(EndToEnd, RankThatNeverStartsIsNamed) {
+  const fs::path cfg = write_config("run");
+  const int port = free_port();
+  const std::map<std::string, std::string> env = {
+      {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}};
+  const Result r = replica({"--config", cfg.string(), "--rdzv-timeout", "2"}, env, std::chrono::seconds(60));
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_TRUE(has_error_line(r.err, {"rank 1 never joined"})) << r;
+  EXPECT_LT(r.seconds, 10.0) << r;
+}
+
+// PRODUCT.md: "rdzv_timeout seconds (--rdzv-timeout, env REPLICA_RDZV_TIMEOUT), default 300".
+TEST_F(EndToEnd, RendezvousTimeoutFromTheEnvironment) {
+  const fs::path cfg = write_config("run");
+  const int port = free_port();
+  const std::map<std::string, std::string> env = {{"RANK", "0"},
+                                                  {"WORLD_SIZE", "2"},
+                                                  {"MASTER_ADDR", "127.0.0.1"},
+                                                  {"MASTER_PORT", std::to_string(port)},
+                                                  {"REPLICA_RDZV_TIMEOUT", "2"}};
+  const Result r = replica({"--config", cfg.string()}, env, std::chrono::seconds(20));
+  EXPECT_NE(r.exit_code, 0) << r;
+  EXPECT_TRUE(has_error_line(r.err, {"rank 1 never joined"})) << r;
+  EXPECT_LT(r.seconds, 10.0) << r;
+}
+
+// ---------------------------------------------------------------------------------------
+// (f) What a run leaves in project_name/.
+
+TEST_F(EndToEnd, RunLeavesTheDocumentedArtifacts) {
+  const std::string secret = "s3cr3t-rdzv-token-9f1c";
+  const fs::path cfg = write_config("run",
+                                    {{"checkpoint_every", "10"},
+                                     {"save_total_limit", "2"},
+                                     {"eval_every", "10"},
+                                     {"token", secret}},
+                                    kFashionMnist, "t10k");
+  const fs::path p = project("p");
+  const Result r = train(cfg, p);
+  if (HasFailure()) return;
+  EXPECT_EQ(r.all().find(secret), std::string::npos) << "the token was logged";
+
+  // config.yaml: the resolved configuration, readable back as the same run.
+  ASSERT_TRUE(fs::is_regular_file(p / "config.yaml"));
+  const std::string config_text = read_file(p / "config.yaml");
+  const auto resolved = replica::io::parse_config(config_text, (p / "config.yaml").string());
+  EXPECT_EQ(resolved.params.max_steps, 20);
+  EXPECT_EQ(resolved.params.batch_size, 32);
+  EXPECT_EQ(resolved.params.optimizer, "sgd");
+  EXPECT_EQ(resolved.params.checkpoint_every, 10);
+  EXPECT_EQ(resolved.params.hidden_sizes, (std::vector<int64_t>{64}));
+  EXPECT_EQ(resolved.project_name, p.string());
+  ASSERT_TRUE(resolved.data.valid_split.has_value());
+  EXPECT_EQ(*resolved.data.valid_split, "t10k");
+  // Every default is written out.
+  for (const char* key : {"rdzv_timeout", "collective_timeout", "weight_decay", "warmup_ratio", "deterministic"}) {
+    EXPECT_NE(config_text.find(key), std::string::npos) << key;
+  }
+
+  // training_params.json.
+  const auto params = nlohmann::json::parse(read_file(p / "training_params.json"));
+  EXPECT_EQ(params.at("max_steps"), 20);
+  EXPECT_EQ(params.at("batch_size"), 32);
+  EXPECT_EQ(params.at("optimizer"), "sgd");
+  EXPECT_EQ(params.at("task"), "image-classification");
+  EXPECT_FALSE(params.contains("token"));
+
+  // metrics.jsonl: training lines and evaluations.
+  const auto metrics = metrics_of(p);
+  EXPECT_EQ(train_steps(metrics), one_to(20));
+  std::vector<int64_t> eval_steps;
+  for (const auto& j : metrics) {
+    if (j.contains("loss")) {
+      for (const char* k : {"step", "epoch", "loss", "lr", "samples_per_s"}) EXPECT_TRUE(j.contains(k)) << k << " in " << j;
+      EXPECT_TRUE(std::isfinite(j.at("loss").get<double>()));
+      EXPECT_GT(j.at("loss").get<double>(), 0.0);
+      EXPECT_DOUBLE_EQ(j.at("lr").get<double>(), 0.05);
+      EXPECT_GT(j.at("samples_per_s").get<double>(), 0.0);
+    }
+    if (j.contains("eval_loss")) {
+      eval_steps.push_back(j.at("step").get<int64_t>());
+      ASSERT_TRUE(j.contains("eval_accuracy")) << j;
+      const double acc = j.at("eval_accuracy").get<double>();
+      EXPECT_GE(acc, 0.0);
+      EXPECT_LE(acc, 1.0);
+      EXPECT_TRUE(std::isfinite(j.at("eval_loss").get<double>()));
+    }
+  }
+  EXPECT_EQ(eval_steps, (std::vector<int64_t>{10, 20}));
+  // 20 SGD steps on Fashion-MNIST beat chance (10%) comfortably.
+  for (const auto& j : metrics) {
+    if (j.contains("eval_accuracy") && j.at("step") == 20) EXPECT_GT(j.at("eval_accuracy").get<double>(), 0.3) << j;
+  }
+
+  // checkpoint-N/.
+  for (int step : {10, 20}) {
+    const fs::path c = p / ("checkpoint-" + std::to_string(step));
+    for (const char* f : {"model.safetensors", "optimizer.safetensors", "trainer_state.json"}) {
+      EXPECT_TRUE(fs::is_regular_file(c / f)) << c / f;
+    }
+    const auto state = nlohmann::json::parse(read_file(c / "trainer_state.json"));
+    EXPECT_EQ(state.at("global_step"), step);
+    EXPECT_EQ(state.at("world_size"), 1);
+    EXPECT_EQ(state.at("micro_step"), step);
+    EXPECT_FALSE(replica::io::load_safetensors((c / "optimizer.safetensors").string()).tensors.empty());
+  }
+
+  // final/.
+  const auto final_model = load_model(p / "final" / "model.safetensors");
+  ASSERT_EQ(final_model.count("layers.0.weight"), 1u);
+  EXPECT_EQ(final_model.at("layers.0.weight").sizes(), (std::vector<int64_t>{64, 784}));
+  EXPECT_EQ(final_model.at("layers.2.weight").sizes(), (std::vector<int64_t>{10, 64}));
+  EXPECT_TRUE(bitwise_equal(final_model, load_model(p / "checkpoint-20" / "model.safetensors")));
+  const auto model_config = nlohmann::json::parse(read_file(p / "final" / "config.json"));
+  EXPECT_EQ(model_config.at("model_type"), "mlp");
+  EXPECT_EQ(model_config.at("num_classes"), 10);
+
+  // No temporary files left, and the token is in no file of the project.
+  for (const auto& e : fs::recursive_directory_iterator(p)) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+    if (e.is_regular_file()) EXPECT_EQ(read_file(e.path()).find(secret), std::string::npos) << e.path();
+  }
+}
+
+}  // namespace
