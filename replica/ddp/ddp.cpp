@@ -186,6 +186,11 @@ void DistributedDataParallel::mark_ready(size_t param) {
   if (!callback_queued_) {
     callback_queued_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+    // Static graph: what was unused in the first step is unused now; ready it at once.
+    for (size_t i : static_unused_) {
+      if (!ready_[i]) mark_unused_ready(i);
+    }
+    if (!static_unused_.empty()) launch_ready_buckets();
   }
   if (ready_[param]) return;
   ready_[param] = true;
@@ -205,6 +210,23 @@ void DistributedDataParallel::mark_ready(size_t param) {
   if (--bucket.pending == 0) launch_ready_buckets();
 }
 
+void DistributedDataParallel::mark_unused_ready(size_t i) {
+  torch::NoGradGuard no_grad;
+  const Slot slot = slots_[i];
+  Bucket& bucket = buckets_[slot.bucket];
+  auto& view = bucket.views[slot.position];
+  auto& p = params_[i];
+  if (p.grad().defined() && !is_bucket_view(p.grad(), view)) {
+    view.copy_(p.grad());
+  } else if (!p.grad().defined()) {
+    view.zero_();
+  }
+  p.mutable_grad() = view;
+  ready_[i] = true;
+  if (!rebuilt_) arrival_order_.push_back(i);
+  --bucket.pending;
+}
+
 void DistributedDataParallel::launch_ready_buckets() {
   // Strictly in bucket order: collectives must be issued in the same order on every rank.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
@@ -222,7 +244,8 @@ void DistributedDataParallel::finalize_backward() {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!ready_[i]) missing.push_back(i);
     }
-    if (!options_.find_unused_parameters) {
+    const bool allowed = options_.find_unused_parameters || (options_.static_graph && !static_known_);
+    if (!missing.empty() && !allowed) {
       std::string names;
       for (size_t k = 0; k < missing.size() && k < 20; ++k) names += (k ? ", " : "") + names_[missing[k]];
       if (missing.size() > 20) names += fmt::format(", ... ({} in all)", missing.size());
@@ -233,22 +256,8 @@ void DistributedDataParallel::finalize_backward() {
            pg_->rank(), missing.size(), missing.size() == 1 ? "" : "s", names);
     }
     // Unused here (maybe used on another rank): contribute zeros so the all-reduce matches.
-    torch::NoGradGuard no_grad;
-    for (size_t i : missing) {
-      const Slot slot = slots_[i];
-      Bucket& bucket = buckets_[slot.bucket];
-      auto& view = bucket.views[slot.position];
-      auto& p = params_[i];
-      if (p.grad().defined() && !is_bucket_view(p.grad(), view)) {
-        view.copy_(p.grad());
-      } else if (!p.grad().defined()) {
-        view.zero_();
-      }
-      p.mutable_grad() = view;
-      ready_[i] = true;
-      if (!rebuilt_) arrival_order_.push_back(i);
-      --bucket.pending;
-    }
+    for (size_t i : missing) mark_unused_ready(i);
+    if (options_.static_graph && !static_known_) static_unused_ = missing;
     launch_ready_buckets();
   }
   // The optimizer step needs every bucket: wait for those still in flight (in order).
@@ -260,6 +269,7 @@ void DistributedDataParallel::finalize_backward() {
     }
   }
   const bool rebuild = !rebuilt_;
+  if (options_.static_graph) static_known_ = true;
   reset_iteration();
   if (rebuild) rebuild_buckets();
 }

@@ -46,6 +46,11 @@ struct DDPOptions {
   double first_bucket_cap_mb = 1.0;
   bool find_unused_parameters = false;
   bool broadcast_buffers = true;  // pre_forward() re-broadcasts rank 0's buffers
+  // The set of parameters that get gradients is the same every step (PyTorch's static_graph):
+  // the first step learns which are unused; later steps mark those ready as soon as backward
+  // starts, so their buckets do not wait for the end of backward. Implies that unused
+  // parameters are allowed.
+  bool static_graph = false;
 };
 
 // One bucket as a communication hook sees it.
@@ -124,6 +129,7 @@ class DistributedDataParallel {
   void finalize_backward();
   void reset_iteration();
   void rebuild_buckets();
+  void mark_unused_ready(size_t param);
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<dist::ProcessGroup> pg_;
@@ -143,6 +149,8 @@ class DistributedDataParallel {
   size_t next_bucket_ = 0;
   bool rebuilt_ = false;
   std::vector<size_t> arrival_order_;
+  std::vector<size_t> static_unused_;  // static_graph: parameters unused in the first step
+  bool static_known_ = false;
 };
 
 }  // namespace replica::ddp

@@ -193,6 +193,19 @@ int unused_parameters() {
     opt.step();
   }
   failures += check(torch::equal(before, model->unused->weight), "unused parameter unchanged");
+  // static_graph: the first step learns the unused set; later steps need no search.
+  {
+    DDPOptions st;
+    st.static_graph = true;
+    DistributedDataParallel sddp(model.ptr(), pg, st);
+    for (int step = 0; step < 3; ++step) {
+      Batch b = shard(global_batch(step, 8), pg->rank(), pg->size());
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(model->forward(b.x), b.y).backward();
+      opt.step();
+    }
+    failures += check(torch::equal(before, model->unused->weight), "static graph: unused parameter unchanged");
+  }
   // Replicas stay identical.
   std::vector<torch::Tensor> gathered;
   pg->allgather(gathered, model->fc1->weight.detach());
