@@ -1,6 +1,7 @@
 #include "replica/models/hf_model_dir.h"
 
 #include "replica/core/error.h"
+#include "replica/io/files.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -35,19 +36,6 @@ std::string read_text(const std::string& path) {
   return buffer.str();
 }
 
-void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail("{}: cannot create {}", path, tmp);
-    out << text;
-    out.flush();
-    if (!out) fail("{}: write failed", path);
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) fail("{}: cannot rename {} into place: {}", path, tmp, ec.message());
-}
 
 void copy_file_atomically(const fs::path& from, const fs::path& to) {
   const fs::path tmp = to.string() + ".tmp." + std::to_string(::getpid());
@@ -217,14 +205,14 @@ void save_hf_model_dir(const LlamaForCausalLM& model, const std::string& out_dir
     } else {
       LlamaConfig c = source_config;
       c.torch_dtype = dtype_name;
-      write_text_atomically((out / "config.json").string(), c.to_json_string());
+      io::write_file_atomically((out / "config.json").string(), c.to_json_string());
       copied_config = true;
     }
   }
   if (!copied_config) {
     LlamaConfig c = model->config();
     c.torch_dtype = dtype_name;
-    write_text_atomically((out / "config.json").string(), c.to_json_string());
+    io::write_file_atomically((out / "config.json").string(), c.to_json_string());
   }
   if (!source_dir.empty()) {
     for (const auto& entry : fs::directory_iterator(source_dir)) {
@@ -303,7 +291,7 @@ LlamaConfig make_tiny_llama(const std::string& dir, int64_t vocab_size, const Ti
     gen_config["eos_token_id"] = c.eos_token_ids;
   }
   if (c.pad_token_id) gen_config["pad_token_id"] = *c.pad_token_id;
-  write_text_atomically((fs::path(dir) / "generation_config.json").string(), gen_config.dump(2) + "\n");
+  io::write_file_atomically((fs::path(dir) / "generation_config.json").string(), gen_config.dump(2) + "\n");
   return c;
 }
 

@@ -3,6 +3,7 @@
 #include "replica/models/lora.h"
 
 #include "replica/core/error.h"
+#include "replica/io/files.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -48,19 +49,6 @@ std::vector<std::pair<std::string, std::shared_ptr<LoraLinearImpl>>> lora_linear
   return out;
 }
 
-void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail("{}: cannot create {}", path, tmp);
-    out << text;
-    out.flush();
-    if (!out) fail("{}: write failed", path);
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) fail("{}: cannot rename {} into place: {}", path, tmp, ec.message());
-}
 
 }  // namespace
 
@@ -299,7 +287,7 @@ void save_adapter(const torch::nn::Module& model, const LoraConfig& config, cons
   io::NamedTensors owned;
   for (const auto& [name, t] : tensors) owned.emplace_back(name, t.detach().cpu().contiguous());
   io::save_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), owned, {{"format", "pt"}});
-  write_text_atomically((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
+  io::write_file_atomically((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
 }
 
 LoraConfig read_adapter_config(const std::string& dir) {

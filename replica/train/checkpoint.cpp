@@ -1,6 +1,7 @@
 #include "replica/train/checkpoint.h"
 
 #include "replica/core/error.h"
+#include "replica/io/files.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -15,24 +16,6 @@ namespace fs = std::filesystem;
 
 namespace replica::train {
 namespace {
-
-void fsync_path(const fs::path& p) {
-  int fd = ::open(p.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-void write_text_durably(const fs::path& path, const std::string& text) {
-  {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) fail("cannot write {}", path.string());
-  }
-  fsync_path(path);
-}
 
 int64_t step_of(const fs::path& dir) {
   static const std::regex pattern(R"(checkpoint-(\d+))");
@@ -81,11 +64,11 @@ std::string save_checkpoint(const std::string& project_dir, const Checkpoint& ck
   io::save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
   io::save_safetensors((tmp / "rng_state.safetensors").string(), ckpt.rng);
   // trainer_state.json last: its presence in a renamed directory marks a whole checkpoint.
-  write_text_durably(tmp / "trainer_state.json", ckpt.state.to_json().dump(2) + "\n");
-  fsync_path(tmp);
+  io::write_file_atomically((tmp / "trainer_state.json").string(), ckpt.state.to_json().dump(2) + "\n");
+  io::fsync_path(tmp.string());
   fs::remove_all(final_dir, ec);
   fs::rename(tmp, final_dir);
-  fsync_path(project);
+  io::fsync_path(project.string());
 
   if (save_total_limit > 0) {
     auto all = list_checkpoints(project_dir);  // newest first
