@@ -1,6 +1,7 @@
 // The `replica` program: one entry point for training, launching and diagnostics.
 #include "replica/cli/bench_allreduce.h"
 #include "replica/cli/env_report.h"
+#include "replica/cli/llm_command.h"
 #include "replica/dist/world.h"
 #include "replica/core/error.h"
 #include "replica/io/config.h"
@@ -97,6 +98,29 @@ int run_main(int argc, char** argv) {
   bench_ar->add_option("--dtype", bopts.dtype, "float32, bfloat16 or float16")
       ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))->capture_default_str();
 
+  // `replica llm ...` is parsed by llm_command (AutoTrain's flags); listed here for --help.
+  app.add_subcommand("llm", "Fine-tune (--train) or evaluate (--eval) an LLM with AutoTrain's flags; "
+                            "`replica llm --help`, `replica llm init-demo DIR`");
+
+  auto* tokenize = app.add_subcommand("tokenize", "Token ids of stdin, one text (or with --chat one JSON messages "
+                                                  "list) per line; one JSON id list per line on stdout");
+  std::string tokenizer_dir, tokenize_template = "tokenizer";
+  bool tokenize_chat = false;
+  tokenize->add_option("--tokenizer", tokenizer_dir, "Directory with tokenizer.json or tokenizer.model")
+      ->required()->check(CLI::ExistingDirectory);
+  tokenize->add_flag("--chat", tokenize_chat, "Lines are chats, rendered with the chat template");
+  tokenize->add_option("--chat-template,--chat_template", tokenize_template, "tokenizer, chatml or llama3")
+      ->check(CLI::IsMember({"tokenizer", "chatml", "llama3"}))->capture_default_str();
+
+  auto* merge = app.add_subcommand("merge-adapter", "Fold a PEFT LoRA adapter into its base model: a plain "
+                                                    "Hugging Face model directory");
+  std::string merge_model, merge_adapter, merge_out;
+  merge->add_option("--model", merge_model, "Base model directory")->required()->check(CLI::ExistingDirectory);
+  merge->add_option("--adapter", merge_adapter, "PEFT adapter directory (adapter_config.json, "
+                                                "adapter_model.safetensors)")
+      ->required()->check(CLI::ExistingDirectory);
+  merge->add_option("--out", merge_out, "Output model directory")->required();
+
   auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
   std::string format = "text";
   env_cmd->add_option("--format", format, "text or json")->check(CLI::IsMember({"text", "json"}));
@@ -104,6 +128,11 @@ int run_main(int argc, char** argv) {
   // `replica launch [options] -- PROGRAM ARGS`: everything after the first `--` is the
   // program's, untouched by option parsing.
   std::vector<std::string> args(argv + 1, argv + argc);
+  if (!args.empty() && args.front() == "llm") {
+    std::vector<std::string> self = {"/proc/self/exe"};
+    for (int i = 1; i < argc; ++i) self.emplace_back(argv[i]);
+    return replica::cli::llm_command(std::vector<std::string>(args.begin() + 1, args.end()), self);
+  }
   std::vector<std::string> program;
   if (!args.empty() && args.front() == "launch") {
     auto dash = std::find(args.begin(), args.end(), "--");
@@ -135,6 +164,8 @@ int run_main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) opts.command.emplace_back(argv[i]);
     return replica::launch::run(opts);
   }
+  if (*tokenize) return replica::cli::tokenize_command(tokenizer_dir, tokenize_chat, tokenize_template);
+  if (*merge) return replica::cli::merge_adapter_command(merge_model, merge_adapter, merge_out);
   if (*env_cmd) {
     std::cout << replica::cli::env_report(format == "json");
     return 0;

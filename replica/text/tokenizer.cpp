@@ -607,6 +607,8 @@ const std::string& Tokenizer::source() const { return impl_->source; }
 
 // ---- replica tokenize ----
 
+void train_sentencepiece(const std::string& spm_train_args) { detail::train_sentencepiece(spm_train_args); }
+
 int tokenize_command(const std::string& tokenizer_dir, bool chat, std::istream& in,
                      std::ostream& out, const ChatRenderer& render_chat) {
   const Tokenizer tokenizer = Tokenizer::from_dir(tokenizer_dir);

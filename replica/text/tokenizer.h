@@ -92,6 +92,12 @@ class Tokenizer {
   std::shared_ptr<const Impl> impl_;
 };
 
+// Trains a SentencePiece model through libsentencepiece_train (opened in isolation like
+// libsentencepiece) with spm_train's "--flag=value" arguments, e.g. "--input=corpus.txt
+// --model_prefix=DIR/tokenizer --vocab_size=1000 --model_type=bpe"; writes PREFIX.model and
+// PREFIX.vocab. replica::Error with the trainer's message when it fails.
+void train_sentencepiece(const std::string& spm_train_args);
+
 // Renders one chat (a JSON list of {"role", "content"} messages, as text) to the prompt text.
 using ChatRenderer = std::function<std::string(const std::string& messages_json)>;
 

@@ -2,7 +2,7 @@
 #include "replica/core/error.h"
 #include "replica/data/fashion_mnist.h"
 #include "replica/models/mlp.h"
-#include "replica/train/workload.h"
+#include "replica/train/image_classification.h"
 
 #include <torch/torch.h>
 
@@ -68,9 +68,8 @@ class ImageClassification final : public Workload {
 
 }  // namespace
 
-std::unique_ptr<Workload> make_workload(const io::RunConfig& config) {
-  if (config.task == "image-classification") return std::make_unique<ImageClassification>(config);
-  fail("task '{}' is not available in this build yet (available: image-classification)", config.task);
+std::unique_ptr<Workload> make_image_classification(const io::RunConfig& config) {
+  return std::make_unique<ImageClassification>(config);
 }
 
 }  // namespace replica::train

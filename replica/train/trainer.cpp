@@ -73,7 +73,28 @@ nlohmann::json params_json(const io::RunConfig& c) {
       {"deterministic", p.deterministic},
       {"hidden_sizes", p.hidden_sizes},
   };
-  for (const auto& [k, v] : p.extra) j[k] = v;
+  // The LLM keys are kept as normalised text; written typed, as AutoTrain writes them.
+  for (const auto& [k, v] : p.extra) {
+    if (v == "true" || v == "false") {
+      j[k] = v == "true";
+      continue;
+    }
+    try {
+      size_t used = 0;
+      const long long i = std::stoll(v, &used);
+      if (used == v.size()) {
+        j[k] = i;
+        continue;
+      }
+      const double d = std::stod(v, &used);
+      if (used == v.size()) {
+        j[k] = d;
+        continue;
+      }
+    } catch (const std::exception&) {
+    }
+    j[k] = v;
+  }
   return j;
 }
 
@@ -169,6 +190,10 @@ void Workload::load_state_tensors(const io::NamedTensors& tensors, const std::st
   };
   for (auto& item : m->named_parameters()) assign(item.key(), item.value());
   for (auto& item : m->named_buffers()) assign(item.key(), item.value());
+}
+
+torch::Tensor Workload::train_loss_sum(const std::vector<int64_t>& indices) {
+  fail("this workload counts loss items but has no summed training loss");
 }
 
 void Workload::save_final(const std::string& final_dir) {
@@ -284,15 +309,18 @@ int run_worker(const io::RunConfig& config) {
     model->eval();
     EvalSums s = workload->evaluate(mine);
     model->train();
-    auto t = torch::tensor({s.loss_sum, s.correct, s.count}, torch::kDouble);
+    auto t = torch::tensor({s.loss_sum, s.correct, s.count, s.tokens}, torch::kDouble);
     pg->allreduce_sum(t).wait();
     if (main) {
       const double count = t[2].item<double>();
+      const double tokens = t[3].item<double>();
+      const double per = tokens > 0 ? tokens : count;  // LLMs: means over predicted tokens
       nlohmann::json j = {{"step", state.global_step},
                           {"epoch", static_cast<double>(epoch_for_log)},
-                          {"eval_loss", t[0].item<double>() / count},
-                          {"eval_accuracy", t[1].item<double>() / count},
+                          {"eval_loss", t[0].item<double>() / per},
+                          {"eval_accuracy", t[1].item<double>() / per},
                           {"eval_samples", static_cast<int64_t>(count)}};
+      if (tokens > 0) j["eval_tokens"] = static_cast<int64_t>(tokens);
       metrics.write(j);
       spdlog::info("eval step {}: eval_loss {:.4f} eval_accuracy {:.4f}", state.global_step,
                    j["eval_loss"].get<double>(), j["eval_accuracy"].get<double>());
@@ -316,7 +344,7 @@ int run_worker(const io::RunConfig& config) {
 
   model->train();
   double window_loss = 0;
-  int64_t window_steps = 0, window_samples = 0;
+  int64_t window_steps = 0, window_samples = 0, window_tokens = 0;
   auto window_start = Clock::now();
   const auto run_start = Clock::now();
   int64_t last_checkpoint = start;
@@ -328,16 +356,40 @@ int run_worker(const io::RunConfig& config) {
       const int64_t group = std::min<int64_t>(p.gradient_accumulation, micro_per_epoch - state.micro_step);
       set_learning_rate(*optimizer, learning_rate(p.scheduler, p.lr, state.global_step, total_steps, warmup));
       optimizer->zero_grad();
-      double step_loss = 0;
+      std::vector<std::vector<int64_t>> micro_batches;
       for (int64_t k = 0; k < group; ++k) {
         const int64_t begin = (state.micro_step + k) * batch;
         const int64_t end = std::min<int64_t>(begin + batch, static_cast<int64_t>(order.size()));
-        std::vector<int64_t> indices(order.begin() + begin, order.begin() + end);
+        micro_batches.emplace_back(order.begin() + begin, order.begin() + end);
+      }
+      // Token-weighted workloads: the loss terms of the whole global batch (every micro-batch
+      // of this step on every rank), so that each rank's summed loss times world / items,
+      // averaged by DDP, is the mean over all of them.
+      int64_t local_items = 0;
+      for (const auto& indices : micro_batches) {
+        const int64_t n = workload->loss_items(indices);
+        local_items = n < 0 ? -1 : local_items + n;
+        if (n < 0) break;
+      }
+      const bool token_weighted = local_items >= 0;
+      double item_scale = 1.0;
+      if (token_weighted) {
+        auto t = torch::tensor({static_cast<double>(local_items)}, torch::kDouble);
+        pg->allreduce_sum(t).wait();
+        item_scale = static_cast<double>(pg->size()) / std::max(1.0, t[0].item<double>());
+      }
+      double step_loss = 0;
+      for (int64_t k = 0; k < group; ++k) {
+        const std::vector<int64_t>& indices = micro_batches[k];
         torch::Tensor loss;
         {
           at::autocast::set_cpu_enabled(bf16);
           if (bf16) at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
-          loss = workload->train_loss(indices).to(torch::kFloat) / static_cast<double>(group);
+          if (token_weighted) {
+            loss = workload->train_loss_sum(indices).to(torch::kFloat) * item_scale;
+          } else {
+            loss = workload->train_loss(indices).to(torch::kFloat) / static_cast<double>(group);
+          }
           at::autocast::set_cpu_enabled(false);
           if (bf16) at::autocast::clear_cache();
         }
@@ -348,7 +400,8 @@ int run_worker(const io::RunConfig& config) {
           loss.backward();
         }
         step_loss += loss.item<double>();
-        window_samples += end - begin;
+        window_samples += static_cast<int64_t>(indices.size());
+        window_tokens += workload->tokens_in(indices);
       }
       if (p.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, p.max_grad_norm);
       optimizer->step();
@@ -358,23 +411,31 @@ int run_worker(const io::RunConfig& config) {
       window_steps += 1;
 
       if (state.global_step % std::max<int64_t>(1, p.logging_steps) == 0 || state.global_step == total_steps) {
-        auto t = torch::tensor({window_loss, static_cast<double>(window_steps), static_cast<double>(window_samples)},
+        auto t = torch::tensor({window_loss, static_cast<double>(window_steps), static_cast<double>(window_samples),
+                                static_cast<double>(window_tokens)},
                                torch::kDouble);
         pg->allreduce_sum(t).wait();
         const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
         if (main) {
           const double loss = t[0].item<double>() / t[1].item<double>();
           const double sps = t[2].item<double>() / std::max(seconds, 1e-9);
+          const double tps = t[3].item<double>() / std::max(seconds, 1e-9);
           const double epoch_f = state.epoch + static_cast<double>(state.micro_step) / micro_per_epoch;
           const double lr = learning_rate(p.scheduler, p.lr, state.global_step - 1, total_steps, warmup);
           nlohmann::json j = {{"step", state.global_step}, {"epoch", epoch_f}, {"loss", loss},
                               {"lr", lr},                  {"samples_per_s", sps}};
+          if (t[3].item<double>() > 0) j["tokens_per_s"] = tps;
           metrics.write(j);
-          spdlog::info("step {}/{} epoch {:.2f} loss {:.4f} lr {:.3g} {:.0f} samples/s", state.global_step,
-                       total_steps, epoch_f, loss, lr, sps);
+          if (t[3].item<double>() > 0) {
+            spdlog::info("step {}/{} epoch {:.2f} loss {:.4f} lr {:.3g} {:.1f} samples/s {:.0f} tokens/s",
+                         state.global_step, total_steps, epoch_f, loss, lr, sps, tps);
+          } else {
+            spdlog::info("step {}/{} epoch {:.2f} loss {:.4f} lr {:.3g} {:.0f} samples/s", state.global_step,
+                         total_steps, epoch_f, loss, lr, sps);
+          }
         }
         window_loss = 0;
-        window_steps = window_samples = 0;
+        window_steps = window_samples = window_tokens = 0;
         window_start = Clock::now();
       }
       if (p.eval_every > 0 && state.global_step % p.eval_every == 0) evaluate(state.epoch);
@@ -405,6 +466,7 @@ int run_worker(const io::RunConfig& config) {
 
 int run(const io::RunConfig& config, const std::vector<std::string>& self_argv) {
   if (dist::world_from_env()) return run_worker(config);  // started by a launcher
+  check_workload_config(config);  // what can be refused before any worker starts
   const int nproc = config.params.nproc_per_node == 0
                         ? launch::resolve_nproc("auto")
                         : launch::resolve_nproc(std::to_string(config.params.nproc_per_node));

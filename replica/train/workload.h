@@ -18,9 +18,10 @@
 namespace replica::train {
 
 struct EvalSums {
-  double loss_sum = 0;   // summed over samples
+  double loss_sum = 0;   // summed over samples (or over tokens when `tokens` > 0)
   double correct = 0;    // for accuracy; 0 where not meaningful
   double count = 0;      // samples
+  double tokens = 0;     // LLMs: loss_sum and correct are per predicted token, this many
 };
 
 class Workload {
@@ -48,9 +49,24 @@ class Workload {
   virtual void save_final(const std::string& final_dir);
   // Tokens in the given training samples (0 when the task has no tokens): tokens_per_s.
   virtual int64_t tokens_in(const std::vector<int64_t>& indices) const { return 0; }
+
+  // Token-weighted losses (LLMs). loss_items: the number of loss terms (predicted tokens) in
+  // the given training samples, or -1 (the default) when train_loss is already the right
+  // mean for a micro-batch. When it is >= 0, the trainer adds it up over one optimizer
+  // step's micro-batches on every rank and calls train_loss_sum instead of train_loss,
+  // scaling it so that the step's gradient is the mean over every counted token of the
+  // global batch, whatever the world size, batch split and accumulation (Hugging Face
+  // Trainer's num_items_in_batch): rows holding more tokens weigh more.
+  virtual int64_t loss_items(const std::vector<int64_t>& indices) const { return -1; }
+  // Summed (not averaged) loss over the given training samples (graph attached).
+  virtual torch::Tensor train_loss_sum(const std::vector<int64_t>& indices);
 };
 
 // The workload `config.task` names; replica::Error for a task this build cannot run.
 std::unique_ptr<Workload> make_workload(const io::RunConfig& config);
+
+// Checks of a task's configuration that need no worker (files, unsupported features such as
+// quantization or ZeRO-3), made before any worker starts; replica::Error naming the key.
+void check_workload_config(const io::RunConfig& config);
 
 }  // namespace replica::train

@@ -1,0 +1,297 @@
+// `replica llm`, `replica tokenize`, `replica merge-adapter`.
+//
+// `replica llm` takes AutoTrain's flags (autotrain llm --train --model ... --data-path ...
+// --project-name ... --trainer sft --peft ...): each is the twin of a YAML key of
+// task llm-sft, set through io::set_param (the same types, aliases and checks as the
+// file), so `replica llm` and `replica --config` runs are the same runs.
+#include "replica/cli/llm_command.h"
+
+#include "replica/core/error.h"
+#include "replica/models/hf_model_dir.h"
+#include "replica/text/chat_template.h"
+#include "replica/text/tokenizer.h"
+#include "replica/train/llm_sft.h"
+#include "replica/train/trainer.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <set>
+
+namespace fs = std::filesystem;
+
+namespace replica::cli {
+namespace {
+
+// Flags that are not `params:` keys.
+const std::vector<std::string> kTopFlags = {
+    "model",        "project_name",  "data_path",     "train_split",       "valid_split", "log",
+    "backend",      "text_column",   "chat_template", "messages_column",   "prompt_column",
+    "completion_column", "adapter",  "train",         "eval",              "help"};
+
+// AutoTrain flags that have no meaning here, with what to say. (A flag given its AutoTrain
+// default is accepted silently.)
+struct Unsupported {
+  const char* name;
+  const char* accepted;  // the value that is fine ("" = none)
+  const char* why;
+};
+const std::vector<Unsupported>& unsupported_flags() {
+  static const std::vector<Unsupported> u = {
+      {"push_to_hub", "false", "replica does not upload to the Hugging Face Hub"},
+      {"username", "", "replica does not upload to the Hugging Face Hub"},
+      {"auto_find_batch_size", "false", "set --batch-size (and --gradient-accumulation) instead"},
+      {"eval_strategy", "epoch", "replica evaluates at the end of each epoch (or every eval_every steps)"},
+      {"model_ref", "", "it belongs to the DPO/ORPO trainers; replica's llm trainer is sft"},
+      {"dpo_beta", "", "it belongs to the DPO trainer; replica's llm trainer is sft"},
+      {"max_prompt_length", "", "it belongs to the DPO/ORPO trainers; replica's llm trainer is sft"},
+      {"max_completion_length", "", "it belongs to the DPO/ORPO trainers; replica's llm trainer is sft"},
+      {"prompt_text_column", "", "it belongs to the DPO/ORPO trainers; use --prompt-column and --completion-column"},
+      {"rejected_text_column", "", "it belongs to the DPO/ORPO trainers; replica's llm trainer is sft"},
+  };
+  return u;
+}
+
+// The `params:` keys of task llm-sft and whether each is a switch (true/false).
+const std::map<std::string, bool>& param_flags() {
+  static const std::map<std::string, bool> flags = [] {
+    std::map<std::string, bool> out;
+    const YAML::Node root = YAML::Load(io::to_yaml(io::default_config("llm-sft")));
+    for (const auto& item : root["params"]) {
+      const std::string value = item.second.IsScalar() ? item.second.Scalar() : "";
+      out[item.first.Scalar()] = value == "true" || value == "false";
+    }
+    out["token"] = false;  // a secret: never written out, but a valid key
+    return out;
+  }();
+  return flags;
+}
+
+bool is_switch(const std::string& name) {
+  static const std::set<std::string> top = {"train", "eval", "help", "push_to_hub", "auto_find_batch_size"};
+  if (top.count(name)) return true;
+  auto it = param_flags().find(name);
+  return it != param_flags().end() && it->second;
+}
+
+bool is_bool_literal(std::string v) {
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  return v == "true" || v == "false" || v == "yes" || v == "no" || v == "on" || v == "off";
+}
+
+bool truthy(std::string v) {
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  return v == "true" || v == "yes" || v == "on" || v == "1";
+}
+
+std::string dashed(std::string name) {
+  std::replace(name.begin(), name.end(), '_', '-');
+  return "--" + name;
+}
+
+std::vector<std::string> all_flag_names() {
+  std::vector<std::string> names = kTopFlags;
+  for (const auto& [name, sw] : param_flags()) names.push_back(name);
+  for (const auto& u : unsupported_flags()) names.push_back(u.name);
+  return names;
+}
+
+const char* kLlmHelp = R"(replica llm: fine-tune (SFT) or evaluate a Llama-family model, AutoTrain-style
+
+  replica llm --train --model DIR --data-path PATH --project-name OUT --trainer sft [--peft] [flags]
+  replica llm --eval --model DIR --data-path PATH [--adapter DIR] [flags]   # prints eval_loss
+  replica llm init-demo DIR          # a small model, tokenizer and data set to try it on
+
+Data and model (defaults in brackets):
+  --model DIR                 Hugging Face model directory (config.json, model*.safetensors,
+                              tokenizer.json or tokenizer.model, tokenizer_config.json)
+  --data-path PATH            a .jsonl/.csv file, or a directory with <train-split>.jsonl/.csv
+  --project-name OUT          the run's directory (checkpoints, metrics, final/)
+  --train-split [train], --valid-split [none]
+  --text-column [text], --messages-column, --prompt-column + --completion-column
+  --chat-template [tokenizer] tokenizer | chatml | llama3 | none
+  --model-max-length [2048]   truncation; --block-size [-1 = model_max_length]: packed row length
+  --add-eos-token [true]
+Training (AutoTrain's LLMTrainingParams names and defaults):
+  --trainer [sft]  --peft [false]  --lora-r [16]  --lora-alpha [32]  --lora-dropout [0.05]
+  --target-modules [all-linear] (or a list: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)
+  --merge-adapter [false]  --lr [3e-5]  --epochs [1]  --max-steps [-1]  --batch-size [2] (per worker)
+  --gradient-accumulation [4]  --mixed-precision [fp32] (fp32 | bf16)  --optimizer [adamw]
+  --scheduler [linear] (linear | cosine | constant)  --warmup-ratio [0.1]  --weight-decay [0]
+  --max-grad-norm [1]  --seed [42]  --logging-steps [10]  --save-total-limit [1]
+  --checkpoint-every [500]  --log [jsonl] (none | jsonl | tensorboard)  --overwrite
+Workers:
+  --nproc-per-node [auto]  --distributed-backend [ddp]  --master-addr  --master-port
+  --threads-per-worker [0 = cores / workers]  --max-restarts [0]
+Every params: key of the llm-sft YAML is a flag; --x-y and --x_y are the same flag.
+--quantization int4/int8 (bitsandbytes, CUDA) and --distributed-backend zero3/deepspeed are
+not available.
+)";
+
+}  // namespace
+
+LlmArgs parse_llm_args(const std::vector<std::string>& args) {
+  LlmArgs out;
+  io::RunConfig& c = out.config;
+  c = io::default_config("llm-sft");
+  c.source = "";
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "-h") {
+      out.help = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
+      fail("replica llm: unexpected argument '{}' (flags look like --lora-r 16)", arg);
+    }
+    std::string name = arg.substr(2), value;
+    bool has_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    const std::string given = name;
+    std::replace(name.begin(), name.end(), '-', '_');
+    const auto names = all_flag_names();
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      const std::string suggestion = io::did_you_mean(name, names);
+      fail("replica llm: unknown flag --{}{}", given,
+           suggestion.empty() ? "" : fmt::format(" (did you mean {}?)", dashed(suggestion)));
+    }
+    if (!has_value) {
+      const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
+      if (is_switch(name)) {
+        if (next_is_value && is_bool_literal(args[i + 1])) {
+          value = args[++i];
+        } else {
+          value = "true";
+        }
+      } else if (next_is_value) {
+        value = args[++i];
+      } else {
+        fail("replica llm: flag {} needs a value", dashed(name));
+      }
+    }
+
+    if (name == "help") {
+      out.help = truthy(value);
+    } else if (name == "train") {
+      out.train = truthy(value);
+    } else if (name == "eval") {
+      out.eval = truthy(value);
+    } else if (name == "adapter") {
+      out.adapter = value;
+    } else if (name == "model") {
+      c.base_model = value;
+    } else if (name == "project_name") {
+      c.project_name = value;
+    } else if (name == "data_path") {
+      c.data.path = value;
+    } else if (name == "train_split") {
+      c.data.train_split = value;
+    } else if (name == "valid_split") {
+      if (value == "null" || value == "none" || value.empty()) {
+        c.data.valid_split.reset();
+      } else {
+        c.data.valid_split = value;
+      }
+    } else if (name == "log") {
+      c.log = value;
+    } else if (name == "backend") {
+      c.backend = value;
+    } else if (name == "messages_column" || name == "prompt_column" || name == "completion_column") {
+      c.data.column_mapping[name] = value;
+    } else if (const auto u = std::find_if(unsupported_flags().begin(), unsupported_flags().end(),
+                                           [&](const Unsupported& x) { return name == x.name; });
+               u != unsupported_flags().end()) {
+      std::string v = value;
+      std::transform(v.begin(), v.end(), v.begin(), [](unsigned char ch) { return std::tolower(ch); });
+      if (*u->accepted == '\0' || v != u->accepted) {
+        fail("replica llm: {} {} is not available: {}", dashed(name), value, u->why);
+      }
+    } else {
+      // text_column, chat_template and every params: key.
+      try {
+        io::set_param(c, name, value);
+      } catch (const Error& e) {
+        fail("replica llm: {} {}: {}", dashed(name), value, e.what());
+      }
+    }
+  }
+  return out;
+}
+
+int llm_command(const std::vector<std::string>& args, const std::vector<std::string>& self_argv) {
+  if (!args.empty() && args.front() == "init-demo") {
+    if (args.size() == 2 && (args[1] == "--help" || args[1] == "-h")) {
+      std::cout << "replica llm init-demo DIR: writes DIR/model (a small random-init Llama with a trained\n"
+                   "SentencePiece tokenizer and a chat template) and DIR/data/{train,valid}.jsonl (synthetic\n"
+                   "instruction chats), then prints the command that fine-tunes it\n";
+      return 0;
+    }
+    if (args.size() != 2 || args[1].rfind("-", 0) == 0) fail("usage: replica llm init-demo DIR");
+    const train::LlmDemo demo = train::write_llm_demo(args[1]);
+    std::cout << fmt::format("model: {} (Llama, vocabulary {}, random init)\n", demo.model_dir, demo.vocab_size)
+              << fmt::format("data:  {}/train.jsonl ({} chats), {}/valid.jsonl ({} chats)\n", demo.data_dir,
+                             demo.train_samples, demo.data_dir, demo.valid_samples)
+              << "fine-tune it (LoRA, 2 workers on 2 cores):\n  " << demo.train_command << "\n"
+              << "then evaluate the adapter:\n  " << demo.eval_command << "\n";
+    return 0;
+  }
+  LlmArgs parsed = parse_llm_args(args);
+  if (parsed.help || args.empty()) {
+    std::cout << kLlmHelp;
+    return 0;
+  }
+  io::RunConfig& c = parsed.config;
+  if (parsed.train == parsed.eval) {
+    fail("replica llm: give one of --train or --eval (see replica llm --help)");
+  }
+  if (c.base_model.empty()) fail("replica llm: --model DIR is required");
+  if (c.data.path.empty()) fail("replica llm: --data-path PATH is required");
+
+  if (parsed.eval) {
+    if (!fs::is_directory(c.base_model)) fail("replica llm --eval: --model '{}' is not a directory", c.base_model);
+    if (!fs::exists(c.data.path)) fail("replica llm --eval: --data-path '{}' does not exist", c.data.path);
+    if (!parsed.adapter.empty() && !fs::is_directory(parsed.adapter)) {
+      fail("replica llm --eval: --adapter '{}' is not a directory", parsed.adapter);
+    }
+    const auto r = train::evaluate_llm(c, parsed.adapter);
+    std::cout << fmt::format("eval_loss: {:.8f}\n", r.loss)
+              << fmt::format("eval_tokens: {}\neval_samples: {}\n", r.tokens, r.samples);
+    return 0;
+  }
+  if (!parsed.adapter.empty()) fail("replica llm: --adapter is for --eval");
+  if (c.project_name.empty()) fail("replica llm --train: --project-name OUT is required");
+  io::validate_config(c);
+  return train::run(c, self_argv);
+}
+
+int tokenize_command(const std::string& tokenizer_dir, bool chat, const std::string& chat_template) {
+  text::ChatRenderer renderer;
+  if (chat) {
+    const std::string source = text::chat_template_for(chat_template, tokenizer_dir);
+    if (source.empty()) fail("replica tokenize --chat: chat template '{}' renders nothing; use tokenizer, chatml or llama3", chat_template);
+    auto tmpl = std::make_shared<const text::ChatTemplate>(source);
+    auto special = text::chat_special_tokens(tokenizer_dir);
+    renderer = [tmpl, special](const std::string& messages_json) {
+      return tmpl->render(nlohmann::ordered_json::parse(messages_json), /*add_generation_prompt=*/false, special);
+    };
+  }
+  return text::tokenize_command(tokenizer_dir, chat, std::cin, std::cout, renderer);
+}
+
+int merge_adapter_command(const std::string& model_dir, const std::string& adapter_dir, const std::string& out_dir) {
+  if (fs::exists(out_dir) && !fs::is_empty(out_dir)) fail("replica merge-adapter: --out '{}' exists and is not empty", out_dir);
+  models::merge_adapter_dir(model_dir, adapter_dir, out_dir);
+  std::cout << fmt::format("merged {} into {}: {}\n", adapter_dir, model_dir, out_dir);
+  return 0;
+}
+
+}  // namespace replica::cli

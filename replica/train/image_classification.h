@@ -1,0 +1,11 @@
+// Image classification on Fashion-MNIST (model: mlp): the workload of task
+// image-classification.
+#pragma once
+
+#include "replica/train/workload.h"
+
+namespace replica::train {
+
+std::unique_ptr<Workload> make_image_classification(const io::RunConfig& config);
+
+}  // namespace replica::train

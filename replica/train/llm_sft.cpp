@@ -1,0 +1,633 @@
+// LLM supervised fine-tuning: records -> samples -> packed rows -> the Llama model, with or
+// without LoRA (see llm_sft.h).
+#include "replica/train/llm_sft.h"
+
+#include "replica/core/error.h"
+#include "replica/data/records.h"
+#include "replica/dist/world.h"
+#include "replica/io/files.h"
+#include "replica/models/hf_model_dir.h"
+#include "replica/models/llama.h"
+#include "replica/text/chat_template.h"
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace replica::train {
+namespace {
+
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+
+// Only rank 0 (or a single process) reports on the data.
+bool is_main_process() {
+  auto world = dist::world_from_env();
+  return !world || world->rank == 0;
+}
+
+std::string column(const std::map<std::string, std::string>& mapping, const std::string& key,
+                   const std::string& fallback) {
+  auto it = mapping.find(key);
+  return it == mapping.end() ? fallback : it->second;
+}
+
+std::string keys_of(const json& record) {
+  std::string out;
+  for (const auto& item : record.items()) out += (out.empty() ? "" : ", ") + item.key();
+  return out.empty() ? "none" : out;
+}
+
+const json& string_field(const json& record, const std::string& name, const std::string& where) {
+  auto it = record.find(name);
+  if (it == record.end()) fail("{}: column '{}' is missing (columns: {})", where, name, keys_of(record));
+  if (!it->is_string()) fail("{}: column '{}' must be text, got {}", where, name, it->type_name());
+  return *it;
+}
+
+void append(SftSample& s, const std::vector<int32_t>& ids, bool trained) {
+  s.ids.insert(s.ids.end(), ids.begin(), ids.end());
+  for (int32_t id : ids) s.labels.push_back(trained ? id : kIgnoreLabel);
+}
+
+// A JSON list of {role, content} objects, or a replica::Error naming what is wrong.
+void check_messages(const json& messages, const std::string& where) {
+  if (!messages.is_array()) fail("{}: a chat must be a list of messages, got {}", where, messages.type_name());
+  if (messages.empty()) fail("{}: the chat has no messages", where);
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& m = messages[i];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+      fail("{}: message {} must be an object with a \"role\" string, got {}", where, i, m.dump());
+    }
+    if (!m.contains("content")) fail("{}: message {} has no \"content\"", where, i);
+  }
+}
+
+std::vector<std::string> split_targets(const std::string& text) {
+  // PEFT's names, and the short forms of the issue (q, k, v, o, gate, up, down).
+  static const std::map<std::string, std::string> kShort = {{"q", "q_proj"},       {"k", "k_proj"},
+                                                            {"v", "v_proj"},       {"o", "o_proj"},
+                                                            {"gate", "gate_proj"}, {"up", "up_proj"},
+                                                            {"down", "down_proj"}};
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (item.empty()) continue;
+    auto it = kShort.find(item);
+    out.push_back(it == kShort.end() ? item : it->second);
+  }
+  return out;
+}
+
+// Files of a model directory that a tokenizer consists of (carried into final/).
+bool is_tokenizer_file(const std::string& name) {
+  return name.rfind("tokenizer", 0) == 0 || name == "special_tokens_map.json" || name == "added_tokens.json" ||
+         name == "vocab.json" || name == "merges.txt" || name == "chat_template.jinja" ||
+         name == "chat_template.json";
+}
+
+void copy_tokenizer_files(const std::string& from, const std::string& to) {
+  for (const auto& entry : fs::directory_iterator(from)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_regular_file() || !is_tokenizer_file(name)) continue;
+    std::ifstream in(entry.path(), std::ios::binary);
+    if (!in) fail("cannot read {}", entry.path().string());
+    std::ostringstream text;
+    text << in.rdbuf();
+    io::write_file_atomically((fs::path(to) / name).string(), text.str());
+  }
+}
+
+std::string records_where(const std::string& file, size_t index) {
+  return fmt::format("{} record {}", file, index + 1);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Samples
+
+int64_t SftSample::predicted() const {
+  int64_t n = 0;
+  for (size_t t = 1; t < labels.size(); ++t) n += labels[t] != kIgnoreLabel;
+  return n;
+}
+
+std::vector<uint8_t> SftSample::loss_mask() const {
+  std::vector<uint8_t> mask(labels.size());
+  for (size_t t = 0; t < labels.size(); ++t) mask[t] = labels[t] != kIgnoreLabel;
+  return mask;
+}
+
+SftEncoder::SftEncoder(const std::string& model_dir, SftEncoderOptions options)
+    : tokenizer_(text::Tokenizer::from_dir(model_dir)), options_(std::move(options)), model_dir_(model_dir) {
+  special_tokens_ = text::chat_special_tokens(model_dir);
+}
+
+SftEncoder::SftEncoder(text::Tokenizer tokenizer, std::string template_source, ordered_json special_tokens,
+                       SftEncoderOptions options)
+    : tokenizer_(std::move(tokenizer)), options_(std::move(options)), special_tokens_(std::move(special_tokens)) {
+  template_loaded_ = true;
+  if (!template_source.empty()) template_ = std::make_shared<const text::ChatTemplate>(template_source);
+}
+
+const text::ChatTemplate& SftEncoder::chat_template(const std::string& where) const {
+  if (!template_loaded_) {
+    const std::string source = text::chat_template_for(options_.chat_template, model_dir_);
+    if (!source.empty()) template_ = std::make_shared<const text::ChatTemplate>(source);
+    template_loaded_ = true;
+  }
+  if (!template_) {
+    fail("{}: a chat (list of messages) needs a chat template, but chat_template is none "
+         "(use tokenizer, chatml or llama3)",
+         where);
+  }
+  return *template_;
+}
+
+std::string SftEncoder::render(const json& messages, size_t count, bool add_generation_prompt) const {
+  ordered_json prefix = ordered_json::array();
+  for (size_t i = 0; i < count; ++i) prefix.push_back(ordered_json(messages[i]));
+  return template_->render(prefix, add_generation_prompt, special_tokens_);
+}
+
+void SftEncoder::truncate(SftSample& s) const {
+  if (options_.max_length > 0 && static_cast<int64_t>(s.ids.size()) > options_.max_length) {
+    s.ids.resize(static_cast<size_t>(options_.max_length));
+    s.labels.resize(static_cast<size_t>(options_.max_length));
+  }
+}
+
+SftSample SftEncoder::encode_text(const std::string& text) const {
+  SftSample s;
+  auto ids = tokenizer_.encode(text, /*add_special_tokens=*/true);
+  const auto eos = tokenizer_.eos_id();
+  if (options_.add_eos_token && eos && (ids.empty() || ids.back() != *eos)) ids.push_back(*eos);
+  append(s, ids, true);
+  truncate(s);
+  return s;
+}
+
+SftSample SftEncoder::encode_prompt_completion(const std::string& prompt, const std::string& completion) const {
+  SftSample s;
+  auto prompt_ids = tokenizer_.encode(prompt, /*add_special_tokens=*/true);
+  const auto eos = tokenizer_.eos_id();
+  // A post-processor that appends EOS puts it after the completion, not between the two.
+  if (eos && !prompt_ids.empty() && prompt_ids.back() == *eos) prompt_ids.pop_back();
+  auto completion_ids = tokenizer_.encode(completion, /*add_special_tokens=*/false);
+  if (options_.add_eos_token && eos && (completion_ids.empty() || completion_ids.back() != *eos)) {
+    completion_ids.push_back(*eos);
+  }
+  append(s, prompt_ids, false);
+  append(s, completion_ids, true);
+  truncate(s);
+  return s;
+}
+
+std::vector<std::pair<std::string, bool>> SftEncoder::chat_segments(const json& messages, size_t first_trained,
+                                                                     const std::string& where) const {
+  check_messages(messages, where);
+  chat_template(where);
+  const size_t n = messages.size();
+  const std::string full = render(messages, n, false);
+  std::vector<std::pair<std::string, bool>> segments;
+  size_t pos = 0;
+  auto broken = [&](size_t i, const std::string& what) {
+    fail("{}: cannot find assistant message {} in the rendered chat: {} (the chat template must render a "
+         "conversation's prefixes as prefixes of its text; try chat_template chatml)",
+         where, i, what);
+  };
+  for (size_t i = 0; i < n; ++i) {
+    if (i < first_trained || messages[i]["role"] != "assistant") continue;
+    if (i == 0) broken(i, "the chat starts with it, so no prompt renders before it");
+    const std::string before = render(messages, i, /*add_generation_prompt=*/true);
+    const std::string through = render(messages, i + 1, /*add_generation_prompt=*/false);
+    if (through.compare(0, before.size(), before) != 0 || before.size() > through.size()) {
+      broken(i, "the text up to it, with the generation prompt, does not start the text that includes it");
+    }
+    if (full.compare(0, through.size(), through) != 0) {
+      broken(i, "the text through it does not start the text of the whole chat");
+    }
+    if (before.size() < pos) broken(i, "it overlaps the previous assistant message");
+    if (before.size() > pos) segments.emplace_back(full.substr(pos, before.size() - pos), false);
+    if (through.size() > before.size()) segments.emplace_back(full.substr(before.size(), through.size() - before.size()), true);
+    pos = through.size();
+  }
+  if (pos < full.size()) segments.emplace_back(full.substr(pos), false);
+  return segments;
+}
+
+SftSample SftEncoder::encode_chat(const json& messages, size_t first_trained, const std::string& where) const {
+  SftSample s;
+  // The template writes BOS itself (when the model has one): no special tokens added here.
+  for (const auto& [text, trained] : chat_segments(messages, first_trained, where)) {
+    append(s, tokenizer_.encode(text, /*add_special_tokens=*/false), trained);
+  }
+  truncate(s);
+  return s;
+}
+
+SftSample SftEncoder::encode(const json& record, const std::string& where) const {
+  if (!record.is_object()) fail("{}: a record must be an object", where);
+  const auto& m = options_.column_mapping;
+  auto prompt_completion = [&](const std::string& pc, const std::string& cc) {
+    auto pit = record.find(pc);
+    auto cit = record.find(cc);
+    if (pit == record.end() || cit == record.end()) {
+      fail("{}: columns '{}' and '{}' are needed (columns: {})", where, pc, cc, keys_of(record));
+    }
+    if (pit->is_array() || cit->is_array()) {
+      // Conversational prompt + completion: one chat whose completion turns are trained.
+      if (!pit->is_array() || !cit->is_array()) {
+        fail("{}: '{}' and '{}' must both be text or both be lists of messages", where, pc, cc);
+      }
+      json messages = *pit;
+      for (const auto& msg : *cit) messages.push_back(msg);
+      return encode_chat(messages, pit->size(), where);
+    }
+    return encode_prompt_completion(string_field(record, pc, where).get<std::string>(),
+                                    string_field(record, cc, where).get<std::string>());
+  };
+  if (m.count("messages_column")) {
+    const std::string mc = m.at("messages_column");
+    auto it = record.find(mc);
+    if (it == record.end()) fail("{}: column '{}' is missing (columns: {})", where, mc, keys_of(record));
+    return encode_chat(*it, 0, where);
+  }
+  if (m.count("prompt_column") || m.count("completion_column")) {
+    return prompt_completion(column(m, "prompt_column", "prompt"), column(m, "completion_column", "completion"));
+  }
+  const std::string tc = column(m, "text_column", "text");
+  if (auto it = record.find(tc); it != record.end()) {
+    if (it->is_array()) return encode_chat(*it, 0, where);  // AutoTrain: the text column holds the chat
+    if (!it->is_string()) fail("{}: column '{}' must be text or a list of messages, got {}", where, tc, it->type_name());
+    return encode_text(it->get<std::string>());
+  }
+  if (auto it = record.find("messages"); it != record.end()) return encode_chat(*it, 0, where);
+  if (record.contains("prompt") && record.contains("completion")) return prompt_completion("prompt", "completion");
+  fail("{}: no text to train on: none of the columns '{}' (text), 'messages', or 'prompt' + 'completion' "
+       "(columns: {}; set data.column_mapping)",
+       where, tc, keys_of(record));
+}
+
+// ---------------------------------------------------------------------------------------
+// Packing
+
+std::vector<std::vector<int64_t>> pack_first_fit(const std::vector<int64_t>& lengths, int64_t block_size) {
+  if (block_size < 1) fail("pack_first_fit: block_size must be >= 1, got {}", block_size);
+  const size_t n = lengths.size();
+  if (n == 0) return {};
+  // A max-tree over the room left in each possible row (there are at most n); unused rows
+  // have all the room and lie after the used ones, so "the leftmost row with room" is
+  // first-fit, in O(log n) per sample.
+  size_t size = 1;
+  while (size < n) size <<= 1;
+  std::vector<int64_t> tree(2 * size, 0);
+  for (size_t i = 0; i < n; ++i) tree[size + i] = block_size;
+  for (size_t i = size - 1; i >= 1; --i) tree[i] = std::max(tree[2 * i], tree[2 * i + 1]);
+  std::vector<std::vector<int64_t>> rows;
+  for (size_t s = 0; s < n; ++s) {
+    const int64_t len = lengths[s];
+    if (len < 1 || len > block_size) {
+      fail("pack_first_fit: sample {} has {} tokens, outside [1, {}]", s, len, block_size);
+    }
+    size_t node = 1;
+    while (node < size) node = tree[2 * node] >= len ? 2 * node : 2 * node + 1;
+    const size_t row = node - size;
+    if (row >= rows.size()) rows.resize(row + 1);
+    rows[row].push_back(static_cast<int64_t>(s));
+    tree[node] -= len;
+    for (node >>= 1; node >= 1; node >>= 1) tree[node] = std::max(tree[2 * node], tree[2 * node + 1]);
+  }
+  return rows;
+}
+
+PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::vector<std::vector<int64_t>>& rows,
+                              const std::vector<int64_t>& row_indices, int32_t pad_id) {
+  const int64_t B = static_cast<int64_t>(row_indices.size());
+  int64_t T = 1;
+  for (int64_t r : row_indices) {
+    int64_t len = 0;
+    for (int64_t s : rows.at(static_cast<size_t>(r))) len += static_cast<int64_t>(samples[static_cast<size_t>(s)].ids.size());
+    T = std::max(T, len);
+  }
+  PackedBatch b;
+  b.input_ids = torch::full({B, T}, static_cast<int64_t>(pad_id), torch::kInt64);
+  b.labels = torch::full({B, T}, static_cast<int64_t>(kIgnoreLabel), torch::kInt64);
+  b.segment_ids = torch::full({B, T}, int64_t{-1}, torch::kInt64);
+  auto ids = b.input_ids.accessor<int64_t, 2>();
+  auto labels = b.labels.accessor<int64_t, 2>();
+  auto segments = b.segment_ids.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < B; ++i) {
+    int64_t t = 0, segment = 0;
+    for (int64_t s : rows.at(static_cast<size_t>(row_indices[static_cast<size_t>(i)]))) {
+      const SftSample& sample = samples[static_cast<size_t>(s)];
+      for (size_t k = 0; k < sample.ids.size(); ++k, ++t) {
+        ids[i][t] = sample.ids[k];
+        labels[i][t] = sample.labels[k];
+        segments[i][t] = segment;
+      }
+      ++segment;
+    }
+  }
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------
+// Settings and checks
+
+LlmSftSettings llm_sft_settings(const io::RunConfig& config) {
+  const auto& extra = config.params.extra;
+  auto text = [&](const char* key) -> std::string {
+    auto it = extra.find(key);
+    if (it == extra.end()) fail("llm-sft: params.{} is missing from the configuration", key);
+    return it->second;
+  };
+  auto boolean = [&](const char* key) { return text(key) == "true"; };
+  LlmSftSettings s;
+  s.peft = boolean("peft");
+  s.lora.r = std::stoll(text("lora_r"));
+  s.lora.lora_alpha = static_cast<double>(std::stoll(text("lora_alpha")));
+  s.lora.lora_dropout = std::stod(text("lora_dropout"));
+  const std::string targets = text("target_modules");
+  s.lora.target_modules = targets == "all-linear" ? std::vector<std::string>{"all-linear"} : split_targets(targets);
+  if (s.lora.target_modules.empty()) fail("params.target_modules names no module");
+  s.lora.base_model_name_or_path = config.base_model;
+  s.model_max_length = std::stoll(text("model_max_length"));
+  const int64_t block = std::stoll(text("block_size"));
+  s.block_size = block == -1 ? s.model_max_length : block;
+  s.merge_adapter = boolean("merge_adapter");
+  s.add_eos_token = boolean("add_eos_token");
+  s.quantization = text("quantization");
+  return s;
+}
+
+void check_llm_sft_config(const io::RunConfig& config) {
+  const LlmSftSettings s = llm_sft_settings(config);
+  if (s.quantization != "none") {
+    fail("quantization {} is not supported: 4-bit/8-bit quantized training (QLoRA) is a GPU feature of "
+         "bitsandbytes, and replica trains on CPU without it; leave quantization at none (the default; "
+         "--peft still trains LoRA adapters on the unquantized model)",
+         s.quantization);
+  }
+  if (config.params.extra.count("unsloth") && config.params.extra.at("unsloth") == "true") {
+    fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
+  }
+  const fs::path model(config.base_model);
+  if (!fs::is_directory(model)) fail("base_model '{}' is not a model directory", config.base_model);
+  if (!fs::exists(model / "config.json")) fail("base_model '{}' has no config.json", config.base_model);
+  if (!fs::exists(model / "tokenizer.json") && !fs::exists(model / "tokenizer.model")) {
+    fail("base_model '{}' has no tokenizer (tokenizer.json or tokenizer.model)", config.base_model);
+  }
+  models::read_hf_config(config.base_model);  // an unsupported architecture is an error here
+  const std::string file = data::resolve_records_file(config.data.path, config.data.train_split);
+  if (!fs::exists(file)) fail("data: training file '{}' does not exist", file);
+  if (config.data.valid_split) {
+    const std::string valid = data::resolve_records_file(config.data.path, *config.data.valid_split);
+    if (!fs::exists(valid)) fail("data: validation file '{}' does not exist", valid);
+  }
+  if (s.model_max_length < 2) fail("params.model_max_length must be at least 2, got {}", s.model_max_length);
+  if (s.block_size < 2) fail("params.block_size must be at least 2 (or -1), got {}", s.block_size);
+}
+
+namespace {
+
+// Reads and encodes one split; samples with nothing to predict are dropped (counted).
+std::vector<SftSample> encode_split(const SftEncoder& encoder, const std::string& path, const std::string& split,
+                                    int64_t* dropped) {
+  const std::string file = data::resolve_records_file(path, split);
+  const auto records = data::read_records(path, split);
+  std::vector<SftSample> samples;
+  samples.reserve(records.size());
+  int64_t skipped = 0;
+  for (size_t i = 0; i < records.size(); ++i) {
+    SftSample s = encoder.encode(records[i], records_where(file, i));
+    if (s.predicted() == 0) {
+      ++skipped;
+      continue;
+    }
+    samples.push_back(std::move(s));
+  }
+  if (dropped) *dropped = skipped;
+  if (samples.empty()) fail("{}: no sample has a token to train on ({} records)", file, records.size());
+  return samples;
+}
+
+SftEncoderOptions encoder_options(const io::RunConfig& config, int64_t max_length) {
+  SftEncoderOptions o;
+  o.chat_template = config.data.chat_template;
+  o.column_mapping = config.data.column_mapping;
+  o.add_eos_token = llm_sft_settings(config).add_eos_token;
+  o.max_length = max_length;
+  return o;
+}
+
+class LlmSft final : public Workload {
+ public:
+  explicit LlmSft(const io::RunConfig& config) : config_(config), settings_(llm_sft_settings(config)) {
+    check_llm_sft_config(config);
+    const bool main = is_main_process();
+    const bool bf16 = config.params.mixed_precision == "bf16";
+    // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
+    // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
+    const auto dtype = settings_.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
+    model_ = models::load_hf_model(config.base_model, dtype);
+    if (settings_.peft) {
+      lora_ = settings_.lora;
+      const auto adapted = models::apply_lora(*model_, lora_);
+      if (main) {
+        int64_t trainable = 0, total = 0;
+        for (const auto& p : model_->parameters()) {
+          total += p.numel();
+          if (p.requires_grad()) trainable += p.numel();
+        }
+        spdlog::info("llm-sft: LoRA r {} alpha {} dropout {} on {} modules ({}); {} trainable of {} parameters",
+                     lora_.r, lora_.lora_alpha, lora_.lora_dropout, adapted.size(),
+                     fmt::join(lora_.target_modules, ","), trainable, total);
+      }
+    } else if (main) {
+      spdlog::info("llm-sft: full fine-tuning of {} parameters", [&] {
+        int64_t n = 0;
+        for (const auto& p : model_->parameters()) n += p.numel();
+        return n;
+      }());
+    }
+
+    // Training samples: truncated to the longest a row can hold, packed into rows.
+    const int64_t max_len = std::min(settings_.model_max_length, settings_.block_size);
+    SftEncoder encoder(config.base_model, encoder_options(config, max_len));
+    const auto& tok = encoder.tokenizer();
+    if (tok.vocab_size() > model_->config().vocab_size) {
+      fail("the tokenizer of '{}' has {} ids but the model's vocab_size is {}", config.base_model,
+           tok.vocab_size(), model_->config().vocab_size);
+    }
+    pad_id_ = tok.pad_id().value_or(tok.eos_id().value_or(0));
+    int64_t dropped = 0;
+    train_ = encode_split(encoder, config.data.path, config.data.train_split, &dropped);
+    std::vector<int64_t> lengths;
+    int64_t tokens = 0, trained = 0;
+    for (const auto& s : train_) {
+      lengths.push_back(static_cast<int64_t>(s.ids.size()));
+      tokens += lengths.back();
+      trained += s.predicted();
+    }
+    rows_ = pack_first_fit(lengths, settings_.block_size);
+    for (const auto& row : rows_) {
+      int64_t n = 0, items = 0;
+      for (int64_t s : row) {
+        n += static_cast<int64_t>(train_[static_cast<size_t>(s)].ids.size());
+        items += train_[static_cast<size_t>(s)].predicted();
+      }
+      row_tokens_.push_back(n);
+      row_items_.push_back(items);
+    }
+    if (main) {
+      spdlog::info("llm-sft: {} samples ({} tokens, {} trained) packed into {} rows of <= {} tokens ({:.1f}% full){}",
+                   train_.size(), tokens, trained, rows_.size(), settings_.block_size,
+                   100.0 * static_cast<double>(tokens) / (static_cast<double>(rows_.size()) * settings_.block_size),
+                   dropped ? fmt::format("; {} samples without a trained token dropped", dropped) : "");
+      if (settings_.block_size > model_->config().max_position_embeddings) {
+        spdlog::warn("llm-sft: block_size {} is longer than the model's max_position_embeddings {}",
+                     settings_.block_size, model_->config().max_position_embeddings);
+      }
+    }
+    if (config.data.valid_split) {
+      SftEncoder valid_encoder(config.base_model, encoder_options(config, settings_.model_max_length));
+      valid_ = encode_split(valid_encoder, config.data.path, *config.data.valid_split, nullptr);
+    }
+  }
+
+  std::shared_ptr<torch::nn::Module> model() override { return model_.ptr(); }
+  int64_t train_size() const override { return static_cast<int64_t>(rows_.size()); }
+  int64_t valid_size() const override { return static_cast<int64_t>(valid_.size()); }
+
+  int64_t loss_items(const std::vector<int64_t>& indices) const override {
+    int64_t n = 0;
+    for (int64_t r : indices) n += row_items_.at(static_cast<size_t>(r));
+    return n;
+  }
+  int64_t tokens_in(const std::vector<int64_t>& indices) const override {
+    int64_t n = 0;
+    for (int64_t r : indices) n += row_tokens_.at(static_cast<size_t>(r));
+    return n;
+  }
+
+  torch::Tensor train_loss_sum(const std::vector<int64_t>& indices) override {
+    const PackedBatch b = make_packed_batch(train_, rows_, indices, pad_id_);
+    auto logits = model_->forward(b.input_ids, {}, b.segment_ids);
+    return models::causal_lm_loss_sum(logits, b.labels, b.segment_ids).sum;
+  }
+  torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
+    const PackedBatch b = make_packed_batch(train_, rows_, indices, pad_id_);
+    auto logits = model_->forward(b.input_ids, {}, b.segment_ids);
+    return models::causal_lm_loss(logits, b.labels, b.segment_ids);
+  }
+
+  EvalSums evaluate(const std::vector<int64_t>& indices) override {
+    torch::NoGradGuard no_grad;
+    EvalSums sums;
+    for (int64_t i : indices) {
+      const SftSample& s = valid_.at(static_cast<size_t>(i));
+      const int64_t n = static_cast<int64_t>(s.ids.size());
+      auto ids = torch::tensor(std::vector<int64_t>(s.ids.begin(), s.ids.end()), torch::kInt64).view({1, n});
+      auto labels = torch::tensor(std::vector<int64_t>(s.labels.begin(), s.labels.end()), torch::kInt64).view({1, n});
+      auto logits = model_->forward(ids).to(torch::kFloat32);
+      auto parts = models::causal_lm_loss_sum(logits, labels);
+      sums.loss_sum += parts.sum.item<double>();
+      sums.tokens += static_cast<double>(parts.count.item<int64_t>());
+      if (n > 1) {
+        auto predicted = logits[0].narrow(0, 0, n - 1).argmax(-1);
+        auto target = labels[0].narrow(0, 1, n - 1);
+        sums.correct += predicted.eq(target).logical_and(target.ne(kIgnoreLabel)).sum().item<double>();
+      }
+      sums.count += 1;
+    }
+    return sums;
+  }
+
+  nlohmann::json model_config() const override { return json::parse(model_->config().to_json_string()); }
+
+  std::string checkpoint_model_file() const override {
+    return settings_.peft ? "adapter_model.safetensors" : "model.safetensors";
+  }
+  io::NamedTensors state_tensors() override {
+    if (!settings_.peft) return Workload::state_tensors();
+    io::NamedTensors out;
+    for (const auto& [name, t] : models::lora_state_dict(*model_)) out.emplace_back(name, t.detach());
+    return out;
+  }
+  void load_state_tensors(const io::NamedTensors& tensors, const std::string& where) override {
+    if (!settings_.peft) return Workload::load_state_tensors(tensors, where);
+    models::load_lora_state_dict(*model_, tensors, where);
+  }
+  void write_checkpoint_extras(const std::string& dir) const override {
+    if (settings_.peft) {
+      models::save_adapter(*model_, lora_, dir);  // adapter_config.json (and the same weights again)
+    } else {
+      models::LlamaConfig c = model_->config();
+      c.torch_dtype = "float32";  // checkpoints hold the fp32 master weights
+      io::write_file_atomically((fs::path(dir) / "config.json").string(), c.to_json_string());
+    }
+  }
+
+  void save_final(const std::string& final_dir) override {
+    fs::create_directories(final_dir);
+    if (settings_.peft) {
+      models::save_adapter(*model_, lora_, final_dir);
+      copy_tokenizer_files(config_.base_model, final_dir);
+      if (settings_.merge_adapter) {
+        const std::string merged = (fs::path(final_dir).parent_path() / "merged").string();
+        models::merge_adapter_dir(config_.base_model, final_dir, merged);
+        spdlog::info("llm-sft: merged model in {}", merged);
+      }
+    } else {
+      // A plain HF model directory in the base checkpoint's dtype, with its tokenizer.
+      models::save_hf_model_dir(model_, final_dir, config_.base_model);
+    }
+  }
+
+ private:
+  io::RunConfig config_;
+  LlmSftSettings settings_;
+  models::LlamaForCausalLM model_{nullptr};
+  models::LoraConfig lora_;
+  std::vector<SftSample> train_, valid_;
+  std::vector<std::vector<int64_t>> rows_;
+  std::vector<int64_t> row_tokens_, row_items_;
+  int32_t pad_id_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Workload> make_llm_sft(const io::RunConfig& config) { return std::make_unique<LlmSft>(config); }
+
+LlmEvalResult evaluate_llm(const io::RunConfig& config, const std::string& adapter_dir) {
+  const LlmSftSettings settings = llm_sft_settings(config);
+  auto model = models::load_hf_model(config.base_model, torch::kFloat32);
+  if (!adapter_dir.empty()) models::load_adapter(*model, adapter_dir);
+  SftEncoder encoder(config.base_model, encoder_options(config, settings.model_max_length));
+  const std::string split = config.data.valid_split.value_or(config.data.train_split);
+  const auto samples = encode_split(encoder, config.data.path, split, nullptr);
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::vector<uint8_t>> masks;
+  LlmEvalResult r;
+  for (const auto& s : samples) {
+    ids.push_back(s.ids);
+    masks.push_back(s.loss_mask());
+    r.tokens += s.predicted();
+  }
+  r.samples = static_cast<int64_t>(samples.size());
+  r.loss = models::mean_token_loss(model, ids, &masks);
+  return r;
+}
+
+}  // namespace replica::train

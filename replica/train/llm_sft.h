@@ -1,0 +1,179 @@
+// LLM supervised fine-tuning (task llm-sft): the data pipeline, the workload and the
+// `replica llm --eval` / `replica llm init-demo` helpers.
+//
+// Data. A record (JSONL or CSV, replica/data/records.h) becomes one tokenized sample:
+//   text column        the text as it is: encode(text) with the tokenizer's special tokens
+//                      (BOS), EOS appended when the tokenizer has one (add_eos_token); loss
+//                      on every token;
+//   messages column    a chat (list of {role, content}) rendered with the chat template
+//                      (data.chat_template: tokenizer | chatml | llama3; none refuses chats);
+//                      the rendered text already holds the template's BOS, so it is encoded
+//                      with add_special_tokens = false (no second BOS). Loss only on the
+//                      assistant turns: their spans are found by rendering prefixes (the
+//                      text of messages[:i] with add_generation_prompt = true ends where
+//                      assistant turn i starts; messages[:i+1] ends where it ends) and the
+//                      text is encoded segment by segment;
+//   prompt + completion  encode(prompt) with special tokens, then the completion without,
+//                      EOS appended; loss only on the completion (lists of messages in both
+//                      columns are a chat whose completion turns are trained).
+// Which: data.column_mapping's messages_column, or prompt_column/completion_column, when
+// given; else the text column (default "text"), read as a chat when it holds a list; else
+// the columns "messages", or "prompt" + "completion", when the records have them.
+//
+// Training rows. Samples are truncated to model_max_length (and to block_size, since a
+// sample is never split) and packed first-fit, in data order, into rows of at most
+// block_size tokens (AutoTrain's block_size -1 = model_max_length). Each row carries
+// segment ids, so attention stays inside each sample, positions restart at each sample
+// and no prediction crosses a sample boundary. A micro-batch is batch_size rows padded to
+// its longest row only. The trainer's unit ("sample" of the sampler, samples_per_s) is a
+// row; the loss of a step is the mean over every trained token of the global batch.
+//
+// Model. The base model directory (HF layout) in fp32. peft: LoRA adapters (r, alpha,
+// dropout, target_modules; all-linear never includes lm_head) on the frozen base, which is
+// held in bf16 when mixed_precision is bf16 (the fp32 adapters are the master weights);
+// full fine-tuning keeps fp32 master weights and computes in bf16 under autocast.
+#pragma once
+
+#include "replica/io/config.h"
+#include "replica/models/lora.h"
+#include "replica/text/tokenizer.h"
+#include "replica/train/workload.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/types.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace replica::text {
+class ChatTemplate;
+}
+
+namespace replica::train {
+
+constexpr int32_t kIgnoreLabel = -100;
+
+// One tokenized sample: token ids and, per token, its label (the id when the token is a
+// training target, kIgnoreLabel when not).
+struct SftSample {
+  std::vector<int32_t> ids;
+  std::vector<int32_t> labels;
+  // Tokens predicted with a loss: positions t >= 1 whose label is set (token 0 has no
+  // prefix to be predicted from).
+  int64_t predicted() const;
+  // labels != kIgnoreLabel per token (models::mean_token_loss's loss_mask).
+  std::vector<uint8_t> loss_mask() const;
+};
+
+struct SftEncoderOptions {
+  std::string chat_template = "tokenizer";              // tokenizer | chatml | llama3 | none
+  std::map<std::string, std::string> column_mapping;    // text_column, messages_column, ...
+  bool add_eos_token = true;
+  int64_t max_length = 0;                                // truncation; 0 = none
+};
+
+// Turns records into samples with a model directory's tokenizer and chat template.
+class SftEncoder {
+ public:
+  // The tokenizer of `model_dir` (tokenizer.json or tokenizer.model, tokenizer_config.json)
+  // and the template `options.chat_template` selects (read lazily: a data set without chats
+  // needs none). The template gets the special tokens (bos_token, ...) as variables.
+  SftEncoder(const std::string& model_dir, SftEncoderOptions options);
+  // Explicit parts (tests): template_source "" = no template.
+  SftEncoder(text::Tokenizer tokenizer, std::string template_source, nlohmann::ordered_json special_tokens,
+             SftEncoderOptions options);
+
+  // One record; `where` (e.g. "data/train.jsonl record 7") is named in errors.
+  SftSample encode(const nlohmann::json& record, const std::string& where) const;
+  SftSample encode_text(const std::string& text) const;
+  SftSample encode_prompt_completion(const std::string& prompt, const std::string& completion) const;
+  // messages: a JSON list of {role, content}; turns of role "assistant" at index >=
+  // first_trained are trained.
+  SftSample encode_chat(const nlohmann::json& messages, size_t first_trained = 0,
+                        const std::string& where = "chat") const;
+  // The rendered chat cut into consecutive (text, trained) segments (concatenated they are
+  // the whole rendering).
+  std::vector<std::pair<std::string, bool>> chat_segments(const nlohmann::json& messages, size_t first_trained,
+                                                          const std::string& where) const;
+
+  const text::Tokenizer& tokenizer() const { return tokenizer_; }
+
+ private:
+  const text::ChatTemplate& chat_template(const std::string& where) const;
+  std::string render(const nlohmann::json& messages, size_t count, bool add_generation_prompt) const;
+  void truncate(SftSample& s) const;
+
+  text::Tokenizer tokenizer_;
+  SftEncoderOptions options_;
+  std::string model_dir_;
+  mutable bool template_loaded_ = false;
+  mutable std::shared_ptr<const text::ChatTemplate> template_;
+  nlohmann::ordered_json special_tokens_;
+};
+
+// First-fit packing: each sample (by length, in order) goes into the first row with room
+// left, a new row when none has. Returns the rows as lists of sample indices (in the order
+// the samples were placed). Lengths must be in [1, block_size].
+std::vector<std::vector<int64_t>> pack_first_fit(const std::vector<int64_t>& lengths, int64_t block_size);
+
+// A micro-batch of packed rows: [B, T] with T the longest row. Padding: pad_id, label
+// kIgnoreLabel, segment id -1. Segment ids count the samples of each row from 0.
+struct PackedBatch {
+  torch::Tensor input_ids;    // int64
+  torch::Tensor labels;       // int64
+  torch::Tensor segment_ids;  // int64
+};
+PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::vector<std::vector<int64_t>>& rows,
+                              const std::vector<int64_t>& row_indices, int32_t pad_id);
+
+// params.extra of an llm-sft config, typed.
+struct LlmSftSettings {
+  bool peft = false;
+  models::LoraConfig lora;      // r, lora_alpha, lora_dropout, target_modules
+  int64_t model_max_length = 2048;
+  int64_t block_size = 2048;    // resolved (-1 -> model_max_length)
+  bool merge_adapter = false;
+  bool add_eos_token = true;
+  std::string quantization = "none";
+};
+LlmSftSettings llm_sft_settings(const io::RunConfig& config);
+
+std::unique_ptr<Workload> make_llm_sft(const io::RunConfig& config);
+
+// What can be refused before workers start: quantization (a bitsandbytes/CUDA feature), a
+// base model directory without config.json or tokenizer, a missing data file.
+void check_llm_sft_config(const io::RunConfig& config);
+
+// `replica llm --eval`: every sample of the split (valid_split when set, else train_split)
+// on its own (no packing; truncated only at model_max_length), through the base model (plus
+// the PEFT adapter in adapter_dir when given) in fp32: cross-entropy summed over every
+// trained token (models::mean_token_loss with the samples' loss masks) divided by their
+// count.
+struct LlmEvalResult {
+  double loss = 0;
+  int64_t tokens = 0;
+  int64_t samples = 0;
+};
+LlmEvalResult evaluate_llm(const io::RunConfig& config, const std::string& adapter_dir = "");
+
+// `replica llm init-demo DIR`: DIR/model, a small Llama (models::make_tiny_llama, random
+// init) with a SentencePiece BPE tokenizer trained here on the demo data
+// (tokenizer.model, tokenizer_config.json with a ChatML chat template), and
+// DIR/data/{train,valid}.jsonl, synthetic instruction/response chats (arithmetic, word
+// reversal, capitals, letter counts, number sequences) in messages form. Returns the
+// directories and the command that fine-tunes the model on the data.
+struct LlmDemo {
+  std::string model_dir;
+  std::string data_dir;
+  int64_t train_samples = 0;
+  int64_t valid_samples = 0;
+  int64_t vocab_size = 0;
+  std::string train_command;   // replica llm --train ...
+  std::string eval_command;    // replica llm --eval ...
+};
+LlmDemo write_llm_demo(const std::string& dir, uint64_t seed = 1234);
+
+}  // namespace replica::train
