@@ -2,6 +2,7 @@
 // threads and data (Fashion-MNIST), trained through replica's DistributedDataParallel.
 // usage: replica launch --nproc-per-node W -- bench_ddp_mlp --hidden 1024 --layers 2 --batch 128 --steps 200
 // Rank 0 prints: peer=replica world=.. params=.. batch/rank=.. steps/s=.. samples/s=.. loss=..
+#include "replica/core/system.h"
 #include "replica/data/fashion_mnist.h"
 #include "replica/ddp/ddp.h"
 #include "replica/dist/process_group.h"
@@ -29,7 +30,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  torch::set_num_threads(threads);
+  replica::set_compute_threads(threads);
   auto world = replica::dist::world_from_env().value_or(replica::dist::WorldInfo{});
   auto pg = replica::dist::init_process_group(world);
   const int rank = pg->rank(), size = pg->size();
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
   torch::Tensor loss;
   auto step = [&] {
     auto idx = torch::randint(0, n, {static_cast<int64_t>(batch) * size}, gen).slice(0, rank * batch, (rank + 1) * batch);
-    opt.zero_grad();
+    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none=True), as the peer
     loss = torch::nn::functional::cross_entropy(model->forward(X.index_select(0, idx)), Y.index_select(0, idx));
     loss.backward();
     opt.step();

@@ -2,6 +2,8 @@
 
 #include "replica/core/error.h"
 
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
 #include <sched.h>
 
 #include <csignal>
@@ -36,6 +38,13 @@ std::optional<int64_t> env_int(const char* name) {
     fail("environment variable {}='{}' is not an integer", name, *v);
   }
   return static_cast<int64_t>(x);
+}
+
+void set_compute_threads(int threads) {
+  if (threads < 1) threads = 1;
+  at::set_num_threads(threads);
+  using SetThreads = void (*)(int);
+  if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(threads);
 }
 
 std::string signal_name(int signo) {

@@ -17,6 +17,10 @@ std::optional<std::string> env(const char* name);
 // it is set but not an integer.
 std::optional<int64_t> env_int(const char* name);
 
+// Intra-op threads for this process: LibTorch's pool and, because LibTorch on Debian calls
+// into OpenBLAS's own thread pool (sized from OMP_NUM_THREADS at load time), OpenBLAS's too.
+void set_compute_threads(int threads);
+
 // "SIGKILL", "SIGSEGV", ... for a signal number ("signal 42" when unnamed).
 std::string signal_name(int signo);
 

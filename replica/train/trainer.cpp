@@ -212,7 +212,7 @@ int run_worker(const io::RunConfig& config) {
     if (auto t = env_int("REPLICA_THREADS_PER_WORKER")) threads = static_cast<int>(*t);
   }
   if (threads <= 0) threads = std::max(1, usable_cores() / std::max(1, world.local_world_size));
-  torch::set_num_threads(threads);
+  set_compute_threads(threads);
   if (p.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
 
   dist::ProcessGroupOptions pg_options;
@@ -355,7 +355,10 @@ int run_worker(const io::RunConfig& config) {
     while (state.micro_step < micro_per_epoch && state.global_step < total_steps) {
       const int64_t group = std::min<int64_t>(p.gradient_accumulation, micro_per_epoch - state.micro_step);
       set_learning_rate(*optimizer, learning_rate(p.scheduler, p.lr, state.global_step, total_steps, warmup));
-      optimizer->zero_grad();
+      // Gradients to undefined rather than zero (PyTorch's zero_grad(set_to_none=True)): the
+      // first backward then hands its gradient over instead of adding it to zeros, one pass
+      // less over every gradient; DDP moves it into its bucket.
+      for (auto& param : params) param.mutable_grad() = torch::Tensor();
       std::vector<std::vector<int64_t>> micro_batches;
       for (int64_t k = 0; k < group; ++k) {
         const int64_t begin = (state.micro_step + k) * batch;
