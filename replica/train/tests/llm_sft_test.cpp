@@ -4,6 +4,7 @@
 #include "replica/train/llm_sft.h"
 
 #include "replica/core/error.h"
+#include "replica/train/tests/program_runner.h"
 #include "replica/io/safetensors.h"
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"
@@ -41,121 +42,11 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // Running the program (bounded: the child's process group is killed at the deadline).
 
-struct Result {
-  int exit_code = -1;
-  bool timed_out = false;
-  double seconds = 0;
-  std::string out, err;
-  std::string all() const { return out + err; }
-};
-
-std::ostream& operator<<(std::ostream& os, const Result& r) {
-  return os << "exit " << r.exit_code << (r.timed_out ? " (timed out)" : "") << " after " << r.seconds
-            << " s\n--- stdout ---\n" << r.out << "--- stderr ---\n" << r.err;
-}
-
-bool is_world_variable(const std::string& name) {
-  for (const char* e : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                        "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"}) {
-    if (name == e) return true;
-  }
-  for (const char* prefix : {"OMPI_", "PMI_", "SLURM_", "REPLICA_"}) {
-    if (name.rfind(prefix, 0) == 0) return true;
-  }
-  return false;
-}
+using replica::testing::Result;
 
 Result replica(const std::vector<std::string>& args, const std::string& stdin_text = "",
                std::chrono::seconds limit = std::chrono::seconds(240)) {
-  Result r;
-  std::vector<std::string> argv_s = {REPLICA_BIN};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::vector<std::string> env_s;
-  for (char** e = environ; *e; ++e) {
-    const std::string entry(*e);
-    if (!is_world_variable(entry.substr(0, entry.find('=')))) env_s.push_back(entry);
-  }
-  env_s.push_back("OMP_NUM_THREADS=1");
-  std::vector<char*> envp;
-  for (auto& e : env_s) envp.push_back(e.data());
-  envp.push_back(nullptr);
-
-  // stdin from a file (small texts), stdout/stderr through pipes.
-  char in_path[] = "/tmp/replica-llm-stdin-XXXXXX";
-  const int in_fd = mkstemp(in_path);
-  if (in_fd < 0 || write(in_fd, stdin_text.data(), stdin_text.size()) != static_cast<ssize_t>(stdin_text.size())) {
-    ADD_FAILURE() << "cannot write stdin file";
-    return r;
-  }
-  lseek(in_fd, 0, SEEK_SET);
-  unlink(in_path);
-  int out_pipe[2], err_pipe[2];
-  if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
-    ADD_FAILURE() << "pipe: " << std::strerror(errno);
-    return r;
-  }
-  const auto start = std::chrono::steady_clock::now();
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    dup2(in_fd, 0);
-    dup2(out_pipe[1], 1);
-    dup2(err_pipe[1], 2);
-    execve(argv[0], argv.data(), envp.data());
-    _exit(127);
-  }
-  setpgid(pid, pid);
-  close(in_fd);
-  close(out_pipe[1]);
-  close(err_pipe[1]);
-  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
-  pollfd fds[3] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}, {pidfd, POLLIN, 0}};
-  std::string* sinks[2] = {&r.out, &r.err};
-  bool exited = false;
-  int status = 0;
-  char buf[65536];
-  const auto deadline = start + limit;
-  while (fds[0].fd >= 0 || fds[1].fd >= 0 || (!exited && fds[2].fd >= 0)) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
-    if (left <= 0) {
-      r.timed_out = true;
-      break;
-    }
-    const int n = poll(fds, 3, static_cast<int>(left));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) break;
-    for (int i = 0; i < 2; ++i) {
-      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
-      const ssize_t got = read(fds[i].fd, buf, sizeof buf);
-      if (got > 0) {
-        sinks[i]->append(buf, static_cast<size_t>(got));
-      } else if (got == 0 || errno != EINTR) {
-        close(fds[i].fd);
-        fds[i].fd = -1;
-      }
-    }
-    if (fds[2].fd >= 0 && fds[2].revents != 0 && waitpid(pid, &status, WNOHANG) == pid) {
-      exited = true;
-      close(fds[2].fd);
-      fds[2].fd = -1;
-    }
-  }
-  if (r.timed_out) {
-    kill(-pid, SIGKILL);
-    kill(pid, SIGKILL);
-  }
-  if (!exited) waitpid(pid, &status, 0);
-  for (auto& f : fds) {
-    if (f.fd >= 0) close(f.fd);
-  }
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  if (r.timed_out) ADD_FAILURE() << "replica did not finish within " << limit.count() << " s\n" << r;
-  return r;
+  return replica::testing::run_program(REPLICA_BIN, args, {}, limit, stdin_text);
 }
 
 std::string read_file(const fs::path& p) {
