@@ -5,6 +5,7 @@
 #include "replica/models/lora.h"
 
 #include "replica/core/error.h"
+#include "replica/models/tests/test_util.h"
 #include "replica/io/safetensors.h"
 
 #include <gtest/gtest.h>
@@ -19,49 +20,10 @@
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 using namespace replica::models;
+using namespace replica::models::testing;
 
 namespace {
 
-std::string fixture(const std::string& name) {
-  return std::string(REPLICA_SOURCE_DIR) + "/replica/models/tests/reference/fixtures/" + name;
-}
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-}
-
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& tag) {
-    path = fs::temp_directory_path() / ("replica_lora_test_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string str(const std::string& sub = "") const { return sub.empty() ? path.string() : (path / sub).string(); }
-};
-
-double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
-
-template <typename Fn>
-void expect_error(Fn fn, const std::vector<std::string>& needles) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected replica::Error containing " << needles.front();
-  } catch (const replica::Error& e) {
-    for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
-  }
-}
 
 // Gives every lora_B random values so the adapters change the output.
 void randomize_lora_b(torch::nn::Module& model, double std = 0.05) {
