@@ -1,0 +1,31 @@
+# PyTorch eager side of bench/llama_step.cpp: the same ~20M Llama (the plain-torch reference
+# implementation the model tests compare against), batch x 256 tokens, AdamW, one thread.
+# usage: /usr/bin/python3 bench/llama_step.py [--batch 4 --seq 256 --steps 10 --warmup 2]
+import argparse, os, sys, time, torch
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "replica", "models", "tests", "reference"))
+import llama_reference as ref
+p = argparse.ArgumentParser()
+for k, v in [("batch", 4), ("seq", 256), ("steps", 10), ("warmup", 2), ("threads", 1)]:
+    p.add_argument("--" + k, type=int, default=v)
+a = p.parse_args()
+torch.set_num_threads(a.threads)
+torch.manual_seed(0)
+config = ref.hf_config("bench", model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=5,
+                       num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024,
+                       tie_word_embeddings=True, head_dim=64, attention_bias=False, mlp_bias=False,
+                       rope_scaling=None, pad_token_id=None)
+model = ref.ForCausalLM(config)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+g = torch.Generator().manual_seed(1)
+def step():
+    ids = torch.randint(0, config["vocab_size"], (a.batch, a.seq), generator=g)
+    opt.zero_grad(set_to_none=True)
+    loss = ref.for_causal_lm_loss(model(ids), ids)
+    loss.backward(); opt.step(); return loss
+for _ in range(a.warmup): step()
+t = time.perf_counter()
+for _ in range(a.steps): loss = step()
+dt = time.perf_counter() - t
+n = sum(p.numel() for p in model.parameters())
+print(f"side=pytorch-eager params={n} batch={a.batch} seq={a.seq} steps/s={a.steps/dt:.3f} "
+      f"tokens/s={a.steps*a.batch*a.seq/dt:.1f} loss={loss.item():.4f}")
