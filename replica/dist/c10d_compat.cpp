@@ -52,7 +52,6 @@ using GlooPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 struct ProcessGroup::Impl {
   GlooPtr backend;                     // null for world size 1
   c10::intrusive_ptr<c10d::Store> store;
-  std::chrono::milliseconds timeout{600'000};
 };
 
 ProcessGroup::ProcessGroup(WorldInfo world, std::unique_ptr<Impl> impl)
@@ -197,7 +196,6 @@ std::shared_ptr<ProcessGroup> make_process_group(const std::shared_ptr<Store>& s
   }
   auto impl = std::make_unique<ProcessGroup::Impl>();
   impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix + "user/", tcp->store);
-  impl->timeout = options.collective_timeout;
   impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, world.rank,
                                                                world.world_size, gloo_options);
   return std::make_shared<ProcessGroup>(world, std::move(impl));

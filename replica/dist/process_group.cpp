@@ -197,7 +197,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
       lw.local_world_size = 1;
       leaders = detail::make_process_group(store, prefix + "leaders/", lw, options);
     }
-    pg->shm_ = std::make_shared<ShmTransport>(std::move(local_group), leaders, nodes > 1, world.rank);
+    pg->shm_ = std::make_shared<ShmTransport>(std::move(local_group), leaders, nodes > 1);
     pg->use_shm_ = true;
   }
   return pg;

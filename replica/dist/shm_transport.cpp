@@ -25,8 +25,8 @@ struct ShmTransport::Task final : Work::Impl {
 };
 
 ShmTransport::ShmTransport(std::unique_ptr<ShmAllreduce> local, std::shared_ptr<ProcessGroup> leaders,
-                           bool multi_node, int rank)
-    : local_(std::move(local)), leaders_(std::move(leaders)), multi_node_(multi_node), rank_(rank) {
+                           bool multi_node)
+    : local_(std::move(local)), leaders_(std::move(leaders)), multi_node_(multi_node) {
   thread_ = std::thread([this] { loop(); });
 }
 

@@ -23,8 +23,7 @@ class ShmTransport {
  public:
   // `leaders`: the group of node leaders when there are several nodes and this rank leads its
   // node; null otherwise. `multi_node`: whether there are several nodes.
-  ShmTransport(std::unique_ptr<ShmAllreduce> local, std::shared_ptr<ProcessGroup> leaders, bool multi_node,
-               int rank);
+  ShmTransport(std::unique_ptr<ShmAllreduce> local, std::shared_ptr<ProcessGroup> leaders, bool multi_node);
   ~ShmTransport();
 
   Work submit(torch::Tensor tensor);
@@ -40,7 +39,6 @@ class ShmTransport {
   std::unique_ptr<ShmAllreduce> local_;
   std::shared_ptr<ProcessGroup> leaders_;
   bool multi_node_;
-  int rank_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::condition_variable idle_cv_;

@@ -5,6 +5,7 @@
 #include "replica/ddp/ddp.h"
 #include "replica/data/sampler.h"
 #include "replica/dist/process_group.h"
+#include "replica/io/files.h"
 #include "replica/io/safetensors.h"
 #include "replica/launch/launcher.h"
 #include "replica/train/checkpoint.h"
@@ -29,13 +30,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 void write_file(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out) fail("cannot write {}", path.string());
-  }
-  fs::rename(tmp, path);
+  io::write_file_atomically(path.string(), text);
 }
 
 nlohmann::json params_json(const io::RunConfig& c) {
