@@ -1,14 +1,18 @@
 // Tokens/s of a full training step (forward, loss, backward, AdamW) of a ~20M-parameter Llama
 // at sequence length 256, against the same model in PyTorch eager (bench/llama_step.py).
-// usage: bench_llama_step [--batch 4 --seq 256 --steps 10 --warmup 2 --threads 1]
+// usage: bench_llama_step [--batch 4 --seq 256 --steps 10 --warmup 2 --threads 1 --profile FILE]
+// --profile writes a Chrome trace of the timed steps (per-op times; bench/op_times.py sums them).
 #include "replica/core/system.h"
 #include "replica/models/llama.h"
 
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <memory>
 #include <string>
 
 // The model both sides build: 5 layers of hidden 512 with 8 heads (4 KV heads), SwiGLU 1376,
@@ -22,8 +26,13 @@ static const char* kConfig = R"({
 
 int main(int argc, char** argv) {
   int batch = 4, seq = 256, steps = 10, warmup = 2, threads = 1;
+  std::string profile;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
+    if (k == "--profile") {
+      profile = argv[i + 1];
+      continue;
+    }
     const int v = std::atoi(argv[i + 1]);
     if (k == "--batch") batch = v;
     else if (k == "--seq") seq = v;
@@ -50,13 +59,21 @@ int main(int argc, char** argv) {
     opt.step();
   };
   for (int i = 0; i < warmup; ++i) step();
+  std::unique_ptr<torch::autograd::profiler::RecordProfile> recording;
+  if (!profile.empty()) recording = std::make_unique<torch::autograd::profiler::RecordProfile>(profile);
   auto t0 = std::chrono::steady_clock::now();
+  const std::clock_t c0 = std::clock();
   for (int i = 0; i < steps; ++i) step();
+  const double cpu = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
+  recording.reset();
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   int64_t params = 0;
   for (auto& p : model->parameters()) params += p.numel();
-  std::printf("side=replica params=%lld batch=%d seq=%d steps/s=%.3f tokens/s=%.1f loss=%.4f\n",
+  // cpu_tokens/s divides by this process's CPU time: with one thread it matches tokens/s on a
+  // quiet machine and stays meaningful when other work shares the cores.
+  std::printf("side=replica params=%lld batch=%d seq=%d steps/s=%.3f tokens/s=%.1f cpu_tokens/s=%.1f loss=%.4f\n",
               static_cast<long long>(params), batch, seq, steps / dt,
-              static_cast<double>(steps) * batch * seq / dt, loss.item<double>());
+              static_cast<double>(steps) * batch * seq / dt, static_cast<double>(steps) * batch * seq / cpu,
+              loss.item<double>());
   return 0;
 }

@@ -1,13 +1,18 @@
 # PyTorch eager side of bench/llama_step.cpp: the same ~20M Llama (the plain-torch reference
 # implementation the model tests compare against), batch x 256 tokens, AdamW, one thread.
 # usage: /usr/bin/python3 bench/llama_step.py [--batch 4 --seq 256 --steps 10 --warmup 2]
-import argparse, os, sys, time, torch
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "replica", "models", "tests", "reference"))
-import llama_reference as ref
+import argparse, os, sys, time
 p = argparse.ArgumentParser()
 for k, v in [("batch", 4), ("seq", 256), ("steps", 10), ("warmup", 2), ("threads", 1)]:
     p.add_argument("--" + k, type=int, default=v)
+p.add_argument("--profile", default="", help="write a Chrome trace of the timed steps")
 a = p.parse_args()
+# One thread means one: OpenBLAS reads OMP_NUM_THREADS when it loads (as under the peer harness,
+# ../shared/bench/spawn.sh), while torch.set_num_threads alone leaves it a second GEMM thread.
+os.environ["OMP_NUM_THREADS"] = str(a.threads)
+import torch
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "replica", "models", "tests", "reference"))
+import llama_reference as ref
 torch.set_num_threads(a.threads)
 torch.manual_seed(0)
 config = ref.hf_config("bench", model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=5,
@@ -23,9 +28,14 @@ def step():
     loss = ref.for_causal_lm_loss(model(ids), ids)
     loss.backward(); opt.step(); return loss
 for _ in range(a.warmup): step()
-t = time.perf_counter()
+prof = torch.autograd.profiler.profile() if a.profile else None
+if prof: prof.__enter__()
+t, c = time.perf_counter(), time.process_time()
 for _ in range(a.steps): loss = step()
-dt = time.perf_counter() - t
+dt, cpu = time.perf_counter() - t, time.process_time() - c
+if prof:
+    prof.__exit__(None, None, None)
+    prof.export_chrome_trace(a.profile)
 n = sum(p.numel() for p in model.parameters())
 print(f"side=pytorch-eager params={n} batch={a.batch} seq={a.seq} steps/s={a.steps/dt:.3f} "
-      f"tokens/s={a.steps*a.batch*a.seq/dt:.1f} loss={loss.item():.4f}")
+      f"tokens/s={a.steps*a.batch*a.seq/dt:.1f} cpu_tokens/s={a.steps*a.batch*a.seq/cpu:.1f} loss={loss.item():.4f}")
