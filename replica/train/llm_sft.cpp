@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 namespace fs = std::filesystem;
@@ -199,31 +200,65 @@ std::vector<std::pair<std::string, bool>> SftEncoder::chat_segments(const json& 
   chat_template(where);
   const size_t n = messages.size();
   const std::string full = render(messages, n, false);
-  std::vector<std::pair<std::string, bool>> segments;
-  size_t pos = 0;
-  auto broken = [&](size_t i, const std::string& what) {
-    fail("{}: cannot find assistant message {} in the rendered chat: {} (the chat template must render a "
-         "conversation's prefixes as prefixes of its text; try chat_template chatml)",
-         where, i, what);
+
+  // Cuts the whole rendering at each trained assistant turn: the text before it (rendered with
+  // the generation prompt) and the text through it must both start the whole chat's text.
+  // Returns the segments, or why a turn could not be found.
+  auto cut = [&](size_t first) -> std::pair<std::vector<std::pair<std::string, bool>>, std::string> {
+    std::vector<std::pair<std::string, bool>> segments;
+    size_t pos = 0;
+    for (size_t i = first; i < n; ++i) {
+      if (messages[i]["role"] != "assistant") continue;
+      auto broken = [&](const std::string& what) {
+        return std::make_pair(std::vector<std::pair<std::string, bool>>{},
+                              fmt::format("cannot find assistant message {} in the rendered chat: {}", i, what));
+      };
+      if (i == 0) return broken("the chat starts with it, so no prompt renders before it");
+      const std::string before = render(messages, i, /*add_generation_prompt=*/true);
+      const std::string through = render(messages, i + 1, /*add_generation_prompt=*/false);
+      if (through.compare(0, before.size(), before) != 0 || before.size() > through.size()) {
+        return broken("the text up to it, with the generation prompt, does not start the text that includes it");
+      }
+      if (full.compare(0, through.size(), through) != 0) {
+        return broken("the text through it does not start the text of the whole chat");
+      }
+      if (before.size() < pos) return broken("it overlaps the previous assistant message");
+      if (before.size() > pos) segments.emplace_back(full.substr(pos, before.size() - pos), false);
+      if (through.size() > before.size()) {
+        segments.emplace_back(full.substr(before.size(), through.size() - before.size()), true);
+      }
+      pos = through.size();
+    }
+    if (pos < full.size()) segments.emplace_back(full.substr(pos), false);
+    return {std::move(segments), ""};
   };
+
+  auto [segments, error] = cut(first_trained);
+  if (error.empty()) return segments;
+  // Some templates render a turn differently once a later user message follows it: Qwen3
+  // drops the <think> block of every assistant turn before the last user query, as its
+  // authors ask for multi-turn chats. Those earlier turns are then context, as the model
+  // sees them at inference, and the turns after the last user message are trained.
+  size_t last_user = 0;
   for (size_t i = 0; i < n; ++i) {
-    if (i < first_trained || messages[i]["role"] != "assistant") continue;
-    if (i == 0) broken(i, "the chat starts with it, so no prompt renders before it");
-    const std::string before = render(messages, i, /*add_generation_prompt=*/true);
-    const std::string through = render(messages, i + 1, /*add_generation_prompt=*/false);
-    if (through.compare(0, before.size(), before) != 0 || before.size() > through.size()) {
-      broken(i, "the text up to it, with the generation prompt, does not start the text that includes it");
-    }
-    if (full.compare(0, through.size(), through) != 0) {
-      broken(i, "the text through it does not start the text of the whole chat");
-    }
-    if (before.size() < pos) broken(i, "it overlaps the previous assistant message");
-    if (before.size() > pos) segments.emplace_back(full.substr(pos, before.size() - pos), false);
-    if (through.size() > before.size()) segments.emplace_back(full.substr(before.size(), through.size() - before.size()), true);
-    pos = through.size();
+    if (messages[i]["role"] == "user") last_user = i;
   }
-  if (pos < full.size()) segments.emplace_back(full.substr(pos), false);
-  return segments;
+  if (last_user + 1 > first_trained) {
+    auto [answer_segments, answer_error] = cut(last_user + 1);
+    if (answer_error.empty()) {
+      static std::once_flag warned;
+      std::call_once(warned, [&] {
+        spdlog::warn("{}: the chat template renders earlier assistant turns differently once a later user "
+                     "message follows (as Qwen3's drops their reasoning), so only the assistant turns after "
+                     "the last user message are trained; earlier ones are context ({})",
+                     where, error);
+      });
+      return answer_segments;
+    }
+  }
+  fail("{}: {} (the chat template must render a conversation's prefixes as prefixes of its text; try "
+       "chat_template chatml)",
+       where, error);
 }
 
 SftSample SftEncoder::encode_chat(const json& messages, size_t first_trained, const std::string& where) const {

@@ -206,6 +206,41 @@ TEST(LlmSftData, ChatTrainsExactlyTheAssistantTurns) {
   EXPECT_EQ(tok.decode(trained), "2 + 3 = 5<|im_end|>\n\"cat\" reversed is \"tac\".<|im_end|>\n");
 }
 
+TEST(LlmSftData, Qwen3MultiTurnTrainsTheTurnsAfterTheLastUserMessage) {
+  // Qwen3's template renders an assistant turn with a <think> block while it is the last
+  // answer and without one once a user message follows, so earlier turns are not prefixes of
+  // the whole chat: they become context, and the final answer is trained as rendered.
+  const auto& d = demo();
+  SftEncoderOptions options;
+  options.column_mapping = {{"messages_column", "messages"}};
+  const std::string qwen3 = read_file(fs::path(REPLICA_SOURCE_DIR) / "replica/text/tests/chat_templates/qwen3.jinja");
+  const SftEncoder enc(replica::text::Tokenizer::from_dir(d.demo.model_dir), qwen3,
+                       replica::text::chat_special_tokens(d.demo.model_dir), options);
+  const json messages = chat({{"user", "What is 2 + 3?"},
+                              {"assistant", "<think>\nadd them\n</think>\n\n5"},
+                              {"user", "And 4 + 4?"},
+                              {"assistant", "8"}});
+  const SftSample s = enc.encode_chat(messages);
+  const auto& tok = enc.tokenizer();
+  const std::string full = replica::text::ChatTemplate(qwen3).render(
+      nlohmann::ordered_json(messages), false, replica::text::chat_special_tokens(d.demo.model_dir));
+  EXPECT_EQ(full.find("add them"), std::string::npos);  // the earlier reasoning is dropped
+  EXPECT_EQ(s.ids, tok.encode(full, false));            // the sample is the whole chat
+  Ids trained;
+  for (int32_t l : s.labels) {
+    if (l != kIgnoreLabel) trained.push_back(l);
+  }
+  EXPECT_EQ(tok.decode(trained), "<think>\n\n</think>\n\n8<|im_end|>\n");
+
+  // A chat with one answer keeps every answer trained, reasoning included.
+  const SftSample one = enc.encode_chat(chat({{"user", "What is 2 + 3?"}, {"assistant", "<think>\nadd\n</think>\n\n5"}}));
+  trained.clear();
+  for (int32_t l : one.labels) {
+    if (l != kIgnoreLabel) trained.push_back(l);
+  }
+  EXPECT_EQ(tok.decode(trained), "<think>\nadd\n</think>\n\n5<|im_end|>\n");
+}
+
 TEST(LlmSftData, BuiltInTemplatesAndTheirMasks) {
   // chatml without BOS (the built-in), through a model directory's settings.
   SftEncoderOptions o;
