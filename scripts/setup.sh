@@ -12,6 +12,7 @@ PACKAGES=(
   libpcre2-dev libsentencepiece-dev libicu-dev  # tokenizers: pre-tokenizer regexes, tokenizer.model, Unicode normalization
   libgtest-dev libgmock-dev libbenchmark-dev python3-jinja2
   iproute2 procps
+  openmpi-bin                                     # mpirun tests (replica workers under mpirun)
 )
 
 missing=()
