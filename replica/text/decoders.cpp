@@ -103,47 +103,13 @@ class MetaspaceDecoder : public Decoder {
 
 class ReplaceDecoder : public Decoder {
  public:
-  ReplaceDecoder(const json& j, const Origin& origin) {
-    const std::string kind = "decoder Replace";
-    const auto it = j.find("pattern");
-    if (it == j.end() || !it->is_object()) origin.fail_field(kind, "missing \"pattern\"");
-    content_ = origin.str(j, "content", kind);
-    if (it->contains("String")) {
-      literal_ = origin.str(*it, "String", kind);
-    } else if (it->contains("Regex")) {
-      regex_ = std::make_unique<Regex>(origin.str(*it, "Regex", kind),
-                                       fmt::format("tokenizer.json '{}': {}", origin.file, kind));
-    } else {
-      origin.fail_field(kind, "\"pattern\" must hold \"String\" or \"Regex\"");
-    }
-  }
+  ReplaceDecoder(const json& j, const Origin& origin) : replacement_(j, origin, "decoder Replace") {}
   void decode_chain(std::vector<std::string>& tokens) const override {
-    for (auto& t : tokens) {
-      std::vector<std::pair<size_t, size_t>> hits;
-      if (regex_) {
-        hits = regex_->find_all(t);
-      } else if (!literal_.empty()) {
-        for (size_t pos = 0; (pos = t.find(literal_, pos)) != std::string::npos;
-             pos += literal_.size()) {
-          hits.emplace_back(pos, pos + literal_.size());
-        }
-      }
-      if (hits.empty()) continue;
-      std::string out;
-      size_t pos = 0;
-      for (const auto& [b, e] : hits) {
-        out.append(t, pos, b - pos);
-        out += content_;
-        pos = e;
-      }
-      out.append(t, pos, std::string::npos);
-      t = std::move(out);
-    }
+    for (auto& t : tokens) replacement_.apply(t);
   }
 
  private:
-  std::string literal_, content_;
-  std::unique_ptr<Regex> regex_;
+  Replacement replacement_;
 };
 
 // "<0xXX>" tokens gathered into bytes; a run that is not valid UTF-8 becomes one U+FFFD per

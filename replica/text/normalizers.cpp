@@ -101,43 +101,49 @@ void replace_all(std::string& s, const std::string& from, const std::string& to)
   s = std::move(out);
 }
 
+}  // namespace
+
+Replacement::Replacement(const json& j, const Origin& origin, const std::string& kind) {
+  const auto it = j.find("pattern");
+  if (it == j.end() || !it->is_object()) origin.fail_field(kind, "missing \"pattern\"");
+  content_ = origin.str(j, "content", kind);
+  if (it->contains("String")) {
+    literal_ = origin.str(*it, "String", kind);
+  } else if (it->contains("Regex")) {
+    regex_ = std::make_unique<Regex>(origin.str(*it, "Regex", kind),
+                                     fmt::format("tokenizer.json '{}': {}", origin.file, kind));
+  } else {
+    origin.fail_field(kind, "\"pattern\" must hold \"String\" or \"Regex\"");
+  }
+}
+
+void Replacement::apply(std::string& s) const {
+  if (!regex_) {
+    replace_all(s, literal_, content_);
+    return;
+  }
+  const auto matches = regex_->find_all(s);
+  if (matches.empty()) return;
+  std::string out;
+  size_t pos = 0;
+  for (const auto& [b, e] : matches) {
+    out.append(s, pos, b - pos);
+    out += content_;
+    pos = e;
+  }
+  out.append(s, pos, std::string::npos);
+  s = std::move(out);
+}
+
+namespace {
+
 class ReplaceNormalizer : public Normalizer {
  public:
-  ReplaceNormalizer(const json& j, const Origin& origin) {
-    const std::string kind = "normalizer Replace";
-    const auto it = j.find("pattern");
-    if (it == j.end() || !it->is_object()) origin.fail_field(kind, "missing \"pattern\"");
-    content_ = origin.str(j, "content", kind);
-    if (it->contains("String")) {
-      literal_ = origin.str(*it, "String", kind);
-    } else if (it->contains("Regex")) {
-      regex_ = std::make_unique<Regex>(origin.str(*it, "Regex", kind),
-                                       fmt::format("tokenizer.json '{}': {}", origin.file, kind));
-    } else {
-      origin.fail_field(kind, "\"pattern\" must hold \"String\" or \"Regex\"");
-    }
-  }
-  void normalize(std::string& s) const override {
-    if (!regex_) {
-      replace_all(s, literal_, content_);
-      return;
-    }
-    const auto matches = regex_->find_all(s);
-    if (matches.empty()) return;
-    std::string out;
-    size_t pos = 0;
-    for (const auto& [b, e] : matches) {
-      out.append(s, pos, b - pos);
-      out += content_;
-      pos = e;
-    }
-    out.append(s, pos, std::string::npos);
-    s = std::move(out);
-  }
+  ReplaceNormalizer(const json& j, const Origin& origin) : replacement_(j, origin, "normalizer Replace") {}
+  void normalize(std::string& s) const override { replacement_.apply(s); }
 
  private:
-  std::string literal_, content_;
-  std::unique_ptr<Regex> regex_;
+  Replacement replacement_;
 };
 
 class UnicodeNormalizer : public Normalizer {

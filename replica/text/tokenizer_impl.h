@@ -84,6 +84,18 @@ struct Origin {
   std::string type(const nlohmann::json& j, const std::string& kind) const;
 };
 
+// The Replace step of normalizers and decoders: every match of a "pattern" (a "String" or a
+// "Regex") becomes "content". `kind` names the step in errors ("normalizer Replace").
+class Replacement {
+ public:
+  Replacement(const nlohmann::json& j, const Origin& origin, const std::string& kind);
+  void apply(std::string& s) const;
+
+ private:
+  std::string literal_, content_;
+  std::unique_ptr<Regex> regex_;
+};
+
 struct Piece {
   std::string text;
   bool at_origin = false;  // starts at offset 0 of the original input (Metaspace "first")
