@@ -7,6 +7,7 @@
 #include "replica/ddp/ddp.h"
 #include "replica/dist/process_group.h"
 
+#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -16,20 +17,14 @@
 
 int main(int argc, char** argv) {
   int hidden = 1024, layers = 2, batch = 128, steps = 200, warmup = 20, threads = 1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    const int v = std::atoi(argv[i + 1]);
-    if (k == "--hidden") hidden = v;
-    else if (k == "--layers") layers = v;
-    else if (k == "--batch") batch = v;
-    else if (k == "--steps") steps = v;
-    else if (k == "--warmup") warmup = v;
-    else if (k == "--threads") threads = v;
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"replica's side of ../shared/bench/ddp_mlp.py"};
+  app.add_option("--hidden", hidden, "Hidden width")->capture_default_str();
+  app.add_option("--layers", layers, "Hidden layers")->capture_default_str();
+  app.add_option("--batch", batch, "Samples per rank per step")->capture_default_str();
+  app.add_option("--steps", steps, "Timed steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
+  app.add_option("--threads", threads, "Intra-op threads per rank")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   replica::set_compute_threads(threads);
   auto world = replica::dist::world_from_env().value_or(replica::dist::WorldInfo{});
   auto pg = replica::dist::init_process_group(world);

@@ -5,6 +5,7 @@
 #include "replica/core/system.h"
 #include "replica/models/llama.h"
 
+#include <CLI/CLI.hpp>
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
@@ -27,23 +28,14 @@ static const char* kConfig = R"({
 int main(int argc, char** argv) {
   int batch = 4, seq = 256, steps = 10, warmup = 2, threads = 1;
   std::string profile;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    if (k == "--profile") {
-      profile = argv[i + 1];
-      continue;
-    }
-    const int v = std::atoi(argv[i + 1]);
-    if (k == "--batch") batch = v;
-    else if (k == "--seq") seq = v;
-    else if (k == "--steps") steps = v;
-    else if (k == "--warmup") warmup = v;
-    else if (k == "--threads") threads = v;
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"Tokens/s of a Llama training step (bench/llama_step.py is the PyTorch side)"};
+  app.add_option("--batch", batch, "Rows per step")->capture_default_str();
+  app.add_option("--seq", seq, "Tokens per row")->capture_default_str();
+  app.add_option("--steps", steps, "Timed steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
+  app.add_option("--threads", threads, "Intra-op threads")->capture_default_str();
+  app.add_option("--profile", profile, "Write a Chrome trace of the timed steps to this file");
+  CLI11_PARSE(app, argc, argv);
   replica::set_compute_threads(threads);
   torch::manual_seed(0);
   auto config = replica::models::parse_llama_config(kConfig, "bench config");
