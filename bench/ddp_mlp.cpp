@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads per rank")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   replica::set_compute_threads(threads);
+  replica::keep_freed_memory_in_process();
   auto world = replica::dist::world_from_env().value_or(replica::dist::WorldInfo{});
   auto pg = replica::dist::init_process_group(world);
   const int rank = pg->rank(), size = pg->size();

@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   app.add_option("--profile", profile, "Write a Chrome trace of the timed steps to this file");
   CLI11_PARSE(app, argc, argv);
   replica::set_compute_threads(threads);
+  replica::keep_freed_memory_in_process();
   torch::manual_seed(0);
   auto config = replica::models::parse_llama_config(kConfig, "bench config");
   replica::models::LlamaForCausalLM model(config);

@@ -4,8 +4,12 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <sched.h>
 
+#include <climits>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -45,6 +49,13 @@ void set_compute_threads(int threads) {
   at::set_num_threads(threads);
   using SetThreads = void (*)(int);
   if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(threads);
+}
+
+void keep_freed_memory_in_process() {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_MAX, 0);              // large blocks come from the heap, not per-block mmaps
+  mallopt(M_TRIM_THRESHOLD, INT_MAX);  // and stay there when freed, for the next step
+#endif
 }
 
 std::string signal_name(int signo) {

@@ -1,6 +1,7 @@
 #include "replica/ddp/ddp.h"
 
 #include "replica/core/error.h"
+#include "replica/core/system.h"
 #include "replica/ddp/bucketing.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -89,6 +90,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       hook_(allreduce_average_hook()) {
   if (!module_) fail("DistributedDataParallel needs a module");
   if (!pg_) fail("DistributedDataParallel needs a process group");
+  // A training process: large tensors freed by one step are reused by the next instead of
+  // being unmapped and faulted in again (replica/core/system.h).
+  keep_freed_memory_in_process();
 
   // Identical replicas: everything rank 0 has, every rank has.
   std::vector<torch::Tensor> state;

@@ -74,6 +74,8 @@ CommHook fp16_compress_hook();
 
 class DistributedDataParallel {
  public:
+  // Broadcasts rank 0's parameters and buffers, registers the gradient hooks, and makes the
+  // process keep freed memory for reuse (keep_freed_memory_in_process, replica/core/system.h).
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
                           std::shared_ptr<dist::ProcessGroup> process_group,
                           DDPOptions options = {});

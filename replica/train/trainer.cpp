@@ -208,6 +208,7 @@ int run_worker(const io::RunConfig& config) {
   }
   if (threads <= 0) threads = std::max(1, usable_cores() / std::max(1, world.local_world_size));
   set_compute_threads(threads);
+  keep_freed_memory_in_process();
   if (p.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
 
   dist::ProcessGroupOptions pg_options;
