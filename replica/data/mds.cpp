@@ -360,12 +360,11 @@ MdsWriter::MdsWriter(std::string dir, std::vector<MdsColumn> columns, MdsWriterO
   if (fs::exists(fs::path(dir_) / "index.json")) fail("MDS directory '{}' already holds an index.json", dir_);
 }
 
+// No implicit finish: a writer dropped by an error leaves no index.json, so a half-written
+// conversion is never mistaken for a complete data set.
 MdsWriter::~MdsWriter() {
-  if (finished_) return;
-  try {
-    finish();
-  } catch (const std::exception& e) {
-    spdlog::error("MDS writer for '{}': {}", dir_, e.what());
+  if (!finished_ && (!pending_.empty() || !shard_entries_.empty())) {
+    spdlog::warn("MDS writer for '{}' was not finished: no index.json written", dir_);
   }
 }
 

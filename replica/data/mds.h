@@ -65,7 +65,7 @@ class MdsWriter {
  public:
   // Creates `dir` if needed. Columns are stored sorted by name, as MDSWriter stores them.
   MdsWriter(std::string dir, std::vector<MdsColumn> columns, MdsWriterOptions options = {});
-  ~MdsWriter();  // finishes when finish() was not called (errors are logged, not thrown)
+  ~MdsWriter();  // without finish() no index.json is written: an interrupted write is unreadable
   MdsWriter(const MdsWriter&) = delete;
   MdsWriter& operator=(const MdsWriter&) = delete;
 

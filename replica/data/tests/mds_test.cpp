@@ -201,6 +201,7 @@ TEST_F(Mds, BadInputsAreErrorsNamingTheirSource) {
   const fs::path bad = dir_ / "bad.jsonl";
   std::ofstream(bad) << "{\"x\": 1}\n{\"x\": \"oops\"}\n";
   expect_error([&] { convert_records_to_mds(bad.string(), (dir_ / "w3").string(), {{"x", "int64"}}, {}); }, "record 2");
+  EXPECT_FALSE(fs::exists(dir_ / "w3" / "index.json"));  // a failed conversion is not a data set
 
   // A truncated shard is named.
   write_samples(dir_ / "t", 5, {});
