@@ -10,6 +10,7 @@ PACKAGES=(
   dataset-fashion-mnist                           # the default data set of the demo
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libfmt-dev libspdlog-dev zlib1g-dev
   libpcre2-dev libsentencepiece-dev libicu-dev  # tokenizers: pre-tokenizer regexes, tokenizer.model, Unicode normalization
+  libzstd-dev  # MDS shard compression (Mosaic Streaming format)
   libgtest-dev libgmock-dev libbenchmark-dev python3-jinja2
   iproute2 procps
   openmpi-bin                                     # mpirun tests (replica workers under mpirun)

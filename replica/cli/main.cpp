@@ -2,6 +2,7 @@
 #include "replica/cli/bench_allreduce.h"
 #include "replica/cli/env_report.h"
 #include "replica/cli/llm_command.h"
+#include "replica/cli/mds_command.h"
 #include "replica/dist/world.h"
 #include "replica/core/error.h"
 #include "replica/io/config.h"
@@ -121,6 +122,10 @@ int run_main(int argc, char** argv) {
       ->required()->check(CLI::ExistingDirectory);
   merge->add_option("--out", merge_out, "Output model directory")->required();
 
+  auto* mds = app.add_subcommand("mds", "MDS shards (Mosaic Streaming format): convert JSONL/CSV, write the "
+                                        "synthetic recommender data");
+  auto mds_command = replica::cli::add_mds_command(*mds);
+
   auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
   std::string format = "text";
   env_cmd->add_option("--format", format, "text or json")->check(CLI::IsMember({"text", "json"}));
@@ -166,6 +171,7 @@ int run_main(int argc, char** argv) {
   }
   if (*tokenize) return replica::cli::tokenize_command(tokenizer_dir, tokenize_chat, tokenize_template);
   if (*merge) return replica::cli::merge_adapter_command(merge_model, merge_adapter, merge_out);
+  if (*mds) return replica::cli::run_mds_command(*mds_command);
   if (*env_cmd) {
     std::cout << replica::cli::env_report(format == "json");
     return 0;

@@ -322,6 +322,12 @@ const std::vector<ParamField>& param_fields() {
                    for (int64_t size : p.hidden_sizes) out << static_cast<long long>(size);
                    out << YAML::EndSeq;
                  }});
+    f.push_back(plain("sync_batchnorm", &Params::sync_batchnorm));
+    f.push_back(plain("augment", &Params::augment));
+    f.push_back(plain("resnet_stem", &Params::resnet_stem));
+    f.push_back(plain("embedding_dim", &Params::embedding_dim));
+    f.push_back(plain("temperature", &Params::temperature));
+    f.push_back(plain("top_k", &Params::top_k));
     return f;
   }();
   return fields;
@@ -564,6 +570,10 @@ void check_config(const RunConfig& c, const Context& ctx) {
   check_at_least(ctx, "params.threads_per_worker", p.threads_per_worker, 0);
   check_at_least<int64_t>(ctx, "params.logging_steps", p.logging_steps, 1);
   for (int64_t size : p.hidden_sizes) check_at_least<int64_t>(ctx, "params.hidden_sizes", size, 1);
+  check_enum(ctx, "params.resnet_stem", p.resnet_stem, {"imagenet", "small"});
+  check_at_least<int64_t>(ctx, "params.embedding_dim", p.embedding_dim, 1);
+  check_positive(ctx, "params.temperature", p.temperature);
+  check_at_least<int64_t>(ctx, "params.top_k", p.top_k, 1);
   check_llm_extra(c, ctx);
 }
 
@@ -702,7 +712,8 @@ bool operator==(const Params& a, const Params& b) {
                     p.batch_size, p.gradient_accumulation, p.mixed_precision, p.optimizer, p.lr, p.momentum,
                     p.weight_decay, p.warmup_steps, p.warmup_ratio, p.scheduler, p.max_grad_norm, p.shuffle,
                     p.seed, p.eval_every, p.checkpoint_every, p.save_total_limit, p.threads_per_worker,
-                    p.logging_steps, p.overwrite, p.hidden_sizes, p.extra);
+                    p.logging_steps, p.overwrite, p.hidden_sizes, p.sync_batchnorm, p.augment, p.resnet_stem,
+                    p.embedding_dim, p.temperature, p.top_k, p.extra);
   };
   return fields(a) == fields(b);
 }
@@ -756,6 +767,9 @@ RunConfig default_config(const std::string& task) {
     for (const auto& k : llm_keys()) p.extra[k.name] = k.default_text;
   } else if (task == "two-tower") {
     c.model = "two-tower";
+    c.data.valid_split = "valid";       // the split directories `replica mds synthetic` writes
+    c.params.batch_size = 128;          // in-batch negatives: a larger batch, more negatives
+    c.params.hidden_sizes = {64};       // tower MLP
   } else {
     fail("unknown task '{}'; use one of {}", task, join(kTasks));
   }

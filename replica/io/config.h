@@ -59,6 +59,14 @@ struct Params {
 
   // Image models.
   std::vector<int64_t> hidden_sizes = {256, 128};
+  bool sync_batchnorm = false;              // resnet18: batch statistics across all workers
+  bool augment = false;                     // resnet18: random crop (padding 4) + horizontal flip
+  std::string resnet_stem = "imagenet";     // imagenet (7x7/2 conv + max-pool) | small (3x3/1)
+
+  // Two-tower recommender.
+  int64_t embedding_dim = 32;               // id and feature embeddings; also the tower output size
+  double temperature = 0.05;                // in-batch softmax temperature
+  int64_t top_k = 10;                       // eval_recall_at_k / eval_ndcg_at_k
 
   // LLM keys of AutoTrain's LLMTrainingParams (lora_r, lora_alpha, lora_dropout, peft,
   // target_modules, model_max_length, block_size, merge_adapter, trainer, quantization, ...),

@@ -1,4 +1,4 @@
-// Image classification on Fashion-MNIST (model: mlp): the workload of task
+// Image classification on Fashion-MNIST (model: mlp | resnet18): the workload of task
 // image-classification.
 #pragma once
 
@@ -6,6 +6,7 @@
 
 namespace replica::train {
 
-std::unique_ptr<Workload> make_image_classification(const io::RunConfig& config);
+std::unique_ptr<Workload> make_image_classification(const io::RunConfig& config,
+                                                   std::shared_ptr<dist::ProcessGroup> pg = nullptr);
 
 }  // namespace replica::train

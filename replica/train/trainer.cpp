@@ -67,6 +67,12 @@ nlohmann::json params_json(const io::RunConfig& c) {
       {"threads_per_worker", p.threads_per_worker},
       {"deterministic", p.deterministic},
       {"hidden_sizes", p.hidden_sizes},
+      {"sync_batchnorm", p.sync_batchnorm},
+      {"augment", p.augment},
+      {"resnet_stem", p.resnet_stem},
+      {"embedding_dim", p.embedding_dim},
+      {"temperature", p.temperature},
+      {"top_k", p.top_k},
   };
   // The LLM keys are kept as normalised text; written typed, as AutoTrain writes them.
   for (const auto& [k, v] : p.extra) {
@@ -234,7 +240,7 @@ int run_worker(const io::RunConfig& config) {
   }
 
   torch::manual_seed(static_cast<uint64_t>(p.seed));
-  auto workload = make_workload(config);
+  auto workload = make_workload(config, pg);
   auto model = workload->model();
   ddp::DistributedDataParallel ddp(model, pg);
 
@@ -305,7 +311,9 @@ int run_worker(const io::RunConfig& config) {
     model->eval();
     EvalSums s = workload->evaluate(mine);
     model->train();
-    auto t = torch::tensor({s.loss_sum, s.correct, s.count, s.tokens}, torch::kDouble);
+    std::vector<double> sums = {s.loss_sum, s.correct, s.count, s.tokens};
+    for (const auto& [name, value] : s.extra) sums.push_back(value);
+    auto t = torch::tensor(sums, torch::kDouble);
     pg->allreduce_sum(t).wait();
     if (main) {
       const double count = t[2].item<double>();
@@ -317,6 +325,8 @@ int run_worker(const io::RunConfig& config) {
                           {"eval_accuracy", t[1].item<double>() / per},
                           {"eval_samples", static_cast<int64_t>(count)}};
       if (tokens > 0) j["eval_tokens"] = static_cast<int64_t>(tokens);
+      int64_t extra_at = 4;
+      for (const auto& [name, value] : s.extra) j["eval_" + name] = t[extra_at++].item<double>() / count;
       metrics.write(j);
       spdlog::info("eval step {}: eval_loss {:.4f} eval_accuracy {:.4f}", state.global_step,
                    j["eval_loss"].get<double>(), j["eval_accuracy"].get<double>());
@@ -380,6 +390,11 @@ int run_worker(const io::RunConfig& config) {
       double step_loss = 0;
       for (int64_t k = 0; k < group; ++k) {
         const std::vector<int64_t>& indices = micro_batches[k];
+        // The micro-batch after this one (within the epoch), for the workload to prepare meanwhile.
+        if (const int64_t next = (state.micro_step + k + 1) * batch; next < static_cast<int64_t>(order.size())) {
+          workload->prefetch(std::vector<int64_t>(
+              order.begin() + next, order.begin() + std::min<int64_t>(next + batch, static_cast<int64_t>(order.size()))));
+        }
         torch::Tensor loss;
         {
           at::autocast::set_cpu_enabled(bf16);

@@ -4,6 +4,7 @@
 // without touching the loop.
 #pragma once
 
+#include "replica/dist/process_group.h"
 #include "replica/io/config.h"
 #include "replica/io/safetensors.h"
 
@@ -11,6 +12,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +24,9 @@ struct EvalSums {
   double correct = 0;    // for accuracy; 0 where not meaningful
   double count = 0;      // samples
   double tokens = 0;     // LLMs: loss_sum and correct are per predicted token, this many
+  // Further sums, written as eval_<name> = sum / count (e.g. recall_at_10). Every rank must
+  // return the same names.
+  std::map<std::string, double> extra;
 };
 
 class Workload {
@@ -60,10 +65,16 @@ class Workload {
   virtual int64_t loss_items(const std::vector<int64_t>& indices) const { return -1; }
   // Summed (not averaged) loss over the given training samples (graph attached).
   virtual torch::Tensor train_loss_sum(const std::vector<int64_t>& indices);
+  // A hint: train_loss will be asked for these samples next. A workload may prepare the batch
+  // (decode, augment) on a background thread meanwhile, so the workers never wait on data.
+  virtual void prefetch(const std::vector<int64_t>& indices) {}
 };
 
 // The workload `config.task` names; replica::Error for a task this build cannot run.
-std::unique_ptr<Workload> make_workload(const io::RunConfig& config);
+// `pg` (may be null: a world of one) is for workloads whose forward pass communicates
+// (SyncBatchNorm, in-batch negatives across ranks).
+std::unique_ptr<Workload> make_workload(const io::RunConfig& config,
+                                        std::shared_ptr<dist::ProcessGroup> pg = nullptr);
 
 // Checks of a task's configuration that need no worker (files, unsupported features such as
 // quantization or ZeRO-3), made before any worker starts; replica::Error naming the key.

@@ -5,6 +5,7 @@
 // without any communication. DDP is right when both end with the same parameters.
 #include "replica/core/error.h"
 #include "replica/ddp/ddp.h"
+#include "replica/ddp/sync_batchnorm.h"
 #include "replica/dist/process_group.h"
 #include "replica/launch/launcher.h"
 
@@ -285,6 +286,69 @@ int comm_hooks() {
   return failures;
 }
 
+
+// SyncBatchNorm2d on each rank's share of a global batch against BatchNorm2d on the whole
+// batch in one process: outputs, running statistics, input gradients (of the sum of every
+// rank's loss) and parameter gradients (summed over ranks) all agree; so do all_gather_with_grad's
+// rows and gradients.
+int sync_batchnorm() {
+  auto pg = group();
+  const int rank = pg->rank(), world = pg->size();
+  const int64_t n = 4 * world;
+  torch::manual_seed(7);
+  torch::Tensor x_all = torch::randn({n, 3, 5, 5}) * 2 + 1;
+  torch::Tensor r_all = torch::randn({n, 3, 5, 5});
+  torch::Tensor gamma = torch::rand({3}) + 0.5, beta = torch::randn({3});
+  int failures = 0;
+
+  torch::nn::BatchNorm2d reference(3);
+  replica::ddp::SyncBatchNorm2d sync(3, pg);
+  {
+    torch::NoGradGuard no_grad;
+    reference->weight.copy_(gamma);
+    reference->bias.copy_(beta);
+    sync->weight.copy_(gamma);
+    sync->bias.copy_(beta);
+  }
+  torch::Tensor x_ref = x_all.clone().requires_grad_(true);
+  torch::Tensor y_ref = reference->forward(x_ref);
+  (y_ref * r_all).sum().backward();
+
+  const int64_t rows = n / world;
+  torch::Tensor x = x_all.slice(0, rank * rows, (rank + 1) * rows).clone().requires_grad_(true);
+  torch::Tensor y = sync->forward(x);
+  (y * r_all.slice(0, rank * rows, (rank + 1) * rows)).sum().backward();
+
+  auto diff = [](const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); };
+  failures += check(diff(y, y_ref.slice(0, rank * rows, (rank + 1) * rows)) < 1e-5, "outputs");
+  failures += check(diff(sync->running_mean, reference->running_mean) < 1e-6, "running_mean");
+  failures += check(diff(sync->running_var, reference->running_var) < 1e-6, "running_var");
+  failures += check(diff(x.grad(), x_ref.grad().slice(0, rank * rows, (rank + 1) * rows)) < 1e-5, "input gradients");
+  torch::Tensor grads = torch::cat({sync->weight.grad(), sync->bias.grad()}).contiguous();
+  pg->allreduce_sum(grads).wait();
+  failures += check(diff(grads, torch::cat({reference->weight.grad(), reference->bias.grad()})) < 1e-4,
+                    "parameter gradients summed over ranks");
+  // Eval mode normalises with the (shared) running statistics, as BatchNorm2d does.
+  sync->eval();
+  reference->eval();
+  {
+    torch::NoGradGuard no_grad;
+    failures += check(diff(sync->forward(x), reference->forward(x)) < 1e-5, "eval outputs");
+  }
+
+  // all_gather_with_grad: every rank's rows in rank order; the gradient of the sum of all
+  // ranks' losses reaches each rank's own rows.
+  torch::Tensor mine = x_all.slice(0, rank * rows, (rank + 1) * rows).clone().requires_grad_(true);
+  torch::Tensor gathered = replica::ddp::all_gather_with_grad(mine, *pg);
+  failures += check(torch::equal(gathered, x_all), "gathered rows");
+  ((gathered * r_all).sum() * (rank + 1)).backward();
+  // d/dmine of sum_s (s + 1) * sum(gathered * r) = (sum_s (s + 1)) * r[own rows].
+  const double weight = world * (world + 1) / 2.0;
+  failures += check(diff(mine.grad(), r_all.slice(0, rank * rows, (rank + 1) * rows) * weight) < 1e-5,
+                    "all_gather_with_grad gradient");
+  return failures;
+}
+
 }  // namespace
 
 int run_ddp_worker(const std::string& name) {
@@ -294,6 +358,7 @@ int run_ddp_worker(const std::string& name) {
     if (name == "unused_parameters") return unused_parameters();
     if (name == "frozen_parameters") return frozen_parameters();
     if (name == "comm_hooks") return comm_hooks();
+    if (name == "sync_batchnorm") return sync_batchnorm();
     std::cerr << "unknown worker scenario " << name << "\n";
     return 2;
   } catch (const std::exception& e) {
@@ -344,6 +409,9 @@ TEST(DDPMultiProcess, NoSyncAccumulationEqualsLargeBatch) { EXPECT_EQ(launch_sce
 TEST(DDPMultiProcess, UnusedParametersNamedOrHandled) { EXPECT_EQ(launch_scenario("unused_parameters", 2), 0); }
 TEST(DDPMultiProcess, FrozenParametersNeverSynced) { EXPECT_EQ(launch_scenario("frozen_parameters", 2), 0); }
 
+TEST(DDPMultiProcess, SyncBatchNormWorld2EqualsBatchNormOnTheGlobalBatch) {
+  EXPECT_EQ(launch_scenario("sync_batchnorm", 2), 0);
+}
 TEST(DDPMultiProcess, CompressionAndUserCommHooks) { EXPECT_EQ(launch_scenario("comm_hooks", 2), 0); }
 
 TEST(DDP, WorldOfOneInstallsNothingAndTrainsPlainly) {

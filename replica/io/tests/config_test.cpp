@@ -451,3 +451,19 @@ TEST(DidYouMean, SuggestsOnlyCloseKeys) {
 }
 
 }  // namespace
+
+TEST_F(ConfigTest, ResNetAndTwoTowerKeys) {
+  const auto c = parse_config(image_yaml("  sync_batchnorm: true\n  augment: true\n  resnet_stem: small\n"), "run.yaml");
+  EXPECT_TRUE(c.params.sync_batchnorm);
+  EXPECT_TRUE(c.params.augment);
+  EXPECT_EQ(c.params.resnet_stem, "small");
+  EXPECT_EQ(parse_config(to_yaml(c), "again.yaml"), c);  // written back out and read again
+  EXPECT_EQ(error_of(image_yaml("  resnet_stem: tiny\n")),
+            "run.yaml:7: key 'params.resnet_stem' must be one of imagenet, small, got 'tiny'");
+  EXPECT_EQ(error_of(image_yaml("  temperature: 0\n")), "run.yaml:7: key 'params.temperature' must be > 0, got 0");
+  EXPECT_EQ(error_of(image_yaml("  top_k: 0\n")), "run.yaml:7: key 'params.top_k' must be >= 1, got 0");
+  const RunConfig tt = default_config("two-tower");
+  EXPECT_EQ(tt.data.valid_split, std::optional<std::string>("valid"));
+  EXPECT_EQ(tt.params.embedding_dim, 32);
+  EXPECT_DOUBLE_EQ(tt.params.temperature, 0.05);
+}

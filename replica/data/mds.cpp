@@ -1,0 +1,689 @@
+// MDS (Mosaic Streaming format v2) writer and reader; the layout is documented in mds.h.
+#include "replica/data/mds.h"
+
+#include "replica/core/error.h"
+#include "replica/data/records.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace replica::data {
+namespace {
+
+struct ScalarSpec {
+  const char* name;
+  int bytes;
+  bool is_float;
+  bool is_signed;
+};
+
+const ScalarSpec kScalars[] = {
+    {"int8", 1, false, true},    {"int16", 2, false, true},   {"int32", 4, false, true},
+    {"int64", 8, false, true},   {"int", 8, false, true},     {"uint8", 1, false, false},
+    {"uint16", 2, false, false}, {"uint32", 4, false, false}, {"uint64", 8, false, false},
+    {"float32", 4, true, true},  {"float64", 8, true, true},
+};
+
+const ScalarSpec* find_scalar(const std::string& encoding) {
+  for (const auto& s : kScalars) {
+    if (encoding == s.name) return &s;
+  }
+  return nullptr;
+}
+
+// mosaicml-streaming's NDArray dtype codes, and the torch dtypes that can hold them.
+struct DtypeCode {
+  const char* name;
+  uint8_t code;
+  std::optional<torch::ScalarType> torch_type;
+};
+const DtypeCode kDtypes[] = {
+    {"uint8", 8, torch::kUInt8},      {"int8", 9, torch::kInt8},      {"uint16", 16, std::nullopt},
+    {"int16", 17, torch::kInt16},     {"float16", 18, torch::kHalf},  {"uint32", 32, std::nullopt},
+    {"int32", 33, torch::kInt32},     {"float32", 34, torch::kFloat}, {"uint64", 64, std::nullopt},
+    {"int64", 65, torch::kLong},      {"float64", 66, torch::kDouble},
+};
+
+struct NdarraySpec {
+  std::optional<std::string> dtype;
+  std::optional<std::vector<int64_t>> shape;
+};
+
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  std::string part;
+  std::istringstream in(text);
+  while (std::getline(in, part, sep)) parts.push_back(part);
+  if (!text.empty() && text.back() == sep) parts.push_back("");
+  return parts;
+}
+
+std::optional<NdarraySpec> parse_ndarray(const std::string& encoding) {
+  if (encoding.rfind("ndarray", 0) != 0) return std::nullopt;
+  if (encoding == "ndarray") return NdarraySpec{};
+  if (encoding[7] != ':') return std::nullopt;
+  auto args = split(encoding.substr(8), ':');
+  if (args.empty() || args.size() > 2) return std::nullopt;
+  NdarraySpec spec;
+  bool known = false;
+  for (const auto& d : kDtypes) known = known || args[0] == d.name;
+  if (!known) return std::nullopt;
+  spec.dtype = args[0];
+  if (args.size() == 2) {
+    std::vector<int64_t> shape;
+    for (const auto& dim : split(args[1], ',')) {
+      try {
+        size_t used = 0;
+        const long long v = std::stoll(dim, &used);
+        if (used != dim.size() || v < 1) return std::nullopt;
+        shape.push_back(v);
+      } catch (...) {
+        return std::nullopt;
+      }
+    }
+    spec.shape = shape;
+  }
+  return spec;
+}
+
+const DtypeCode* dtype_by_name(const std::string& name) {
+  for (const auto& d : kDtypes) {
+    if (name == d.name) return &d;
+  }
+  return nullptr;
+}
+
+const DtypeCode* dtype_by_code(uint8_t code) {
+  for (const auto& d : kDtypes) {
+    if (code == d.code) return &d;
+  }
+  return nullptr;
+}
+
+const DtypeCode* dtype_by_torch(torch::ScalarType type) {
+  for (const auto& d : kDtypes) {
+    if (d.torch_type && *d.torch_type == type) return &d;
+  }
+  return nullptr;
+}
+
+int64_t element_bytes(const std::string& dtype) {
+  const auto* d = dtype_by_name(dtype);
+  return d->code == 8 || d->code == 9 ? 1 : d->code < 32 ? 2 : d->code < 64 ? 4 : 8;
+}
+
+// Bytes of a fixed-size encoding; nullopt for a variable-size one.
+std::optional<int64_t> fixed_size(const std::string& encoding) {
+  if (const auto* s = find_scalar(encoding)) return s->bytes;
+  if (auto nd = parse_ndarray(encoding); nd && nd->dtype && nd->shape) {
+    int64_t n = 1;
+    for (int64_t dim : *nd->shape) n *= dim;
+    return n * element_bytes(*nd->dtype);
+  }
+  return std::nullopt;
+}
+
+template <typename T>
+void put(std::string& out, T value) {
+  char bytes[sizeof(T)];
+  std::memcpy(bytes, &value, sizeof(T));
+  out.append(bytes, sizeof(T));
+}
+
+template <typename T>
+T get_le(const char* p) {
+  T value;
+  std::memcpy(&value, p, sizeof(T));
+  return value;
+}
+
+std::string encode_value(const MdsColumn& column, const MdsValue& value) {
+  const std::string& enc = column.encoding;
+  auto wrong = [&](const char* expected) -> std::string {
+    fail("MDS column '{}' ({}) needs {}", column.name, enc, expected);
+  };
+  std::string out;
+  if (const auto* s = find_scalar(enc)) {
+    if (s->is_float) {
+      double v = 0;
+      if (const auto* d = std::get_if<double>(&value)) {
+        v = *d;
+      } else if (const auto* i = std::get_if<int64_t>(&value)) {
+        v = static_cast<double>(*i);
+      } else {
+        wrong("a number");
+      }
+      if (s->bytes == 4) put(out, static_cast<float>(v)); else put(out, v);
+      return out;
+    }
+    const auto* i = std::get_if<int64_t>(&value);
+    if (i == nullptr) wrong("an integer");
+    const int64_t v = *i;
+    const int bits = s->bytes * 8;
+    const bool fits = s->is_signed ? (bits == 64 || (v >= -(int64_t{1} << (bits - 1)) && v < (int64_t{1} << (bits - 1))))
+                                   : (v >= 0 && (bits == 64 || v < (int64_t{1} << bits)));
+    if (!fits) fail("MDS column '{}' ({}): value {} does not fit", column.name, enc, v);
+    out.append(reinterpret_cast<const char*>(&v), s->bytes);  // little-endian: the low bytes first
+    return out;
+  }
+  if (enc == "str" || enc == "bytes" || enc == "json") {
+    const auto* text = std::get_if<std::string>(&value);
+    if (text == nullptr) wrong(enc == "bytes" ? "bytes (a string)" : "a string");
+    if (enc == "json") {
+      try {
+        (void)nlohmann::json::parse(*text);
+      } catch (const std::exception&) {
+        fail("MDS column '{}' (json): the value is not JSON text", column.name);
+      }
+    }
+    return *text;
+  }
+  auto nd = parse_ndarray(enc);
+  if (!nd) fail("MDS column '{}': unknown encoding '{}'", column.name, enc);
+  const auto* tensor = std::get_if<torch::Tensor>(&value);
+  if (tensor == nullptr || !tensor->defined()) wrong("a tensor");
+  torch::Tensor t = tensor->contiguous().cpu();
+  const DtypeCode* code = dtype_by_torch(t.scalar_type());
+  if (code == nullptr) fail("MDS column '{}': tensor dtype {} has no MDS code", column.name, c10::toString(t.scalar_type()));
+  if (nd->dtype) {
+    if (*nd->dtype != code->name) fail("MDS column '{}' ({}): tensor is {}", column.name, enc, code->name);
+  } else {
+    out.push_back(static_cast<char>(code->code));
+  }
+  if (nd->shape) {
+    if (t.sizes().vec() != *nd->shape) {
+      fail("MDS column '{}' ({}): tensor has shape {}", column.name, enc, c10::str(t.sizes()));
+    }
+  } else {
+    if (t.dim() >= 64) fail("MDS column '{}': a tensor of {} dimensions (63 at most)", column.name, t.dim());
+    int64_t max_dim = 1;
+    for (int64_t d : t.sizes()) {
+      if (d <= 0) fail("MDS column '{}': tensor shape {} has an empty dimension", column.name, c10::str(t.sizes()));
+      max_dim = std::max(max_dim, d);
+    }
+    const int width_code = max_dim < (1 << 8) ? 0 : max_dim < (1 << 16) ? 1 : max_dim < (int64_t{1} << 32) ? 2 : 3;
+    out.push_back(static_cast<char>((t.dim() << 2) | width_code));
+    for (int64_t d : t.sizes()) out.append(reinterpret_cast<const char*>(&d), size_t{1} << width_code);
+  }
+  out.append(static_cast<const char*>(t.data_ptr()), t.numel() * t.element_size());
+  return out;
+}
+
+MdsValue decode_value(const MdsColumn& column, const char* p, size_t n, const std::string& where) {
+  const std::string& enc = column.encoding;
+  if (const auto* s = find_scalar(enc)) {
+    if (n != static_cast<size_t>(s->bytes)) fail("{}: column '{}' has {} bytes, {} needs {}", where, column.name, n, enc, s->bytes);
+    if (s->is_float) return s->bytes == 4 ? static_cast<double>(get_le<float>(p)) : get_le<double>(p);
+    switch (s->bytes) {
+      case 1: return s->is_signed ? int64_t{get_le<int8_t>(p)} : int64_t{get_le<uint8_t>(p)};
+      case 2: return s->is_signed ? int64_t{get_le<int16_t>(p)} : int64_t{get_le<uint16_t>(p)};
+      case 4: return s->is_signed ? int64_t{get_le<int32_t>(p)} : int64_t{get_le<uint32_t>(p)};
+      default: return get_le<int64_t>(p);  // uint64 above 2^63 wraps: int64 is the only integer kind
+    }
+  }
+  if (enc == "str" || enc == "bytes" || enc == "json") return std::string(p, n);
+  auto nd = parse_ndarray(enc);
+  if (!nd) fail("{}: column '{}' has unknown encoding '{}'", where, column.name, enc);
+  size_t pos = 0;
+  auto need = [&](size_t k) {
+    if (pos + k > n) fail("{}: column '{}' ({}) is truncated", where, column.name, enc);
+  };
+  const DtypeCode* code = nullptr;
+  if (nd->dtype) {
+    code = dtype_by_name(*nd->dtype);
+  } else {
+    need(1);
+    code = dtype_by_code(static_cast<uint8_t>(p[pos++]));
+    if (code == nullptr) fail("{}: column '{}' has an unknown ndarray dtype code {}", where, column.name, static_cast<int>(static_cast<uint8_t>(p[pos - 1])));
+  }
+  if (!code->torch_type) fail("{}: column '{}' holds {} values, which torch has no type for", where, column.name, code->name);
+  std::vector<int64_t> shape;
+  if (nd->shape) {
+    shape = *nd->shape;
+  } else {
+    need(1);
+    const uint8_t byte = static_cast<uint8_t>(p[pos++]);
+    const int ndim = byte >> 2, width = 1 << (byte & 3);
+    need(static_cast<size_t>(ndim) * width);
+    for (int d = 0; d < ndim; ++d) {
+      uint64_t dim = 0;
+      std::memcpy(&dim, p + pos, width);
+      pos += width;
+      shape.push_back(static_cast<int64_t>(dim));
+    }
+  }
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const auto esize = static_cast<size_t>(c10::elementSize(*code->torch_type));
+  if (n - pos != static_cast<size_t>(numel) * esize) {
+    fail("{}: column '{}' ({}) has {} value bytes for shape {}", where, column.name, enc, n - pos, c10::str(shape));
+  }
+  torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(*code->torch_type));
+  std::memcpy(t.data_ptr(), p + pos, n - pos);
+  return t;
+}
+
+std::string read_whole_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open '{}'", path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_whole_file(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out) fail("cannot write '{}'", tmp);
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) fail("cannot rename '{}' to '{}': {}", tmp, path, ec.message());
+}
+
+int zstd_level(const std::string& compression) {
+  if (compression == "zstd") return 3;
+  if (compression.rfind("zstd:", 0) == 0) {
+    try {
+      size_t used = 0;
+      const int level = std::stoi(compression.substr(5), &used);
+      if (used == compression.size() - 5 && level >= 1 && level <= ZSTD_maxCLevel()) return level;
+    } catch (...) {
+    }
+  }
+  fail("MDS compression '{}' is not supported (none, zstd or zstd:LEVEL with LEVEL 1..{})", compression,
+       ZSTD_maxCLevel());
+}
+
+// json.dumps' default text (", " and ": " separators), so that the config bytes inside a
+// shard are the ones mosaicml-streaming writes.
+std::string python_json_text(const nlohmann::json& j) {
+  if (j.is_object()) {
+    std::string out = "{";
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      if (it != j.begin()) out += ", ";
+      out += nlohmann::json(it.key()).dump() + ": " + python_json_text(it.value());
+    }
+    return out + "}";
+  }
+  if (j.is_array()) {
+    std::string out = "[";
+    for (size_t i = 0; i < j.size(); ++i) out += (i ? ", " : "") + python_json_text(j[i]);
+    return out + "]";
+  }
+  return j.dump(-1, ' ', false);  // ensure_ascii is the default in Python; configs are ASCII
+}
+
+}  // namespace
+
+bool is_mds_encoding(const std::string& encoding) {
+  return find_scalar(encoding) != nullptr || encoding == "str" || encoding == "bytes" || encoding == "json" ||
+         parse_ndarray(encoding).has_value();
+}
+
+// ---------------------------------------------------------------------------------------
+// Writer
+
+MdsWriter::MdsWriter(std::string dir, std::vector<MdsColumn> columns, MdsWriterOptions options)
+    : dir_(std::move(dir)), columns_(std::move(columns)), options_(std::move(options)) {
+  if (columns_.empty()) fail("MDS writer for '{}': no columns", dir_);
+  std::sort(columns_.begin(), columns_.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  for (size_t i = 0; i < columns_.size(); ++i) {
+    if (i > 0 && columns_[i].name == columns_[i - 1].name) fail("MDS writer: column '{}' is given twice", columns_[i].name);
+    if (!is_mds_encoding(columns_[i].encoding)) {
+      fail("MDS column '{}': unsupported encoding '{}' (int8..int64, uint8..uint64, int, float32, float64, "
+           "str, bytes, json, ndarray[:DTYPE[:SHAPE]])",
+           columns_[i].name, columns_[i].encoding);
+    }
+    sizes_.push_back(fixed_size(columns_[i].encoding));
+  }
+  if (!options_.compression.empty()) (void)zstd_level(options_.compression);
+  if (options_.size_limit && *options_.size_limit <= 0) fail("MDS size_limit must be > 0");
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) fail("cannot create MDS directory '{}': {}", dir_, ec.message());
+  if (fs::exists(fs::path(dir_) / "index.json")) fail("MDS directory '{}' already holds an index.json", dir_);
+}
+
+// No implicit finish: a writer dropped by an error leaves no index.json, so a half-written
+// conversion is never mistaken for a complete data set.
+MdsWriter::~MdsWriter() {
+  if (!finished_ && (!pending_.empty() || !shard_entries_.empty())) {
+    spdlog::warn("MDS writer for '{}' was not finished: no index.json written", dir_);
+  }
+}
+
+std::string MdsWriter::shard_config_json() const {
+  nlohmann::json names = nlohmann::json::array(), encodings = nlohmann::json::array(), sizes = nlohmann::json::array();
+  for (size_t i = 0; i < columns_.size(); ++i) {
+    names.push_back(columns_[i].name);
+    encodings.push_back(columns_[i].encoding);
+    sizes.push_back(sizes_[i] ? nlohmann::json(*sizes_[i]) : nlohmann::json());
+  }
+  // nlohmann's default object keeps keys sorted, as json.dumps(sort_keys=True) does.
+  nlohmann::json config = {{"column_encodings", encodings},
+                           {"column_names", names},
+                           {"column_sizes", sizes},
+                           {"compression", options_.compression.empty() ? nlohmann::json() : nlohmann::json(options_.compression)},
+                           {"format", "mds"},
+                           {"hashes", nlohmann::json::array()},
+                           {"size_limit", options_.size_limit ? nlohmann::json(*options_.size_limit) : nlohmann::json()},
+                           {"version", 2}};
+  return python_json_text(config);
+}
+
+void MdsWriter::write(const MdsSample& sample) {
+  if (finished_) fail("MDS writer for '{}': write after finish", dir_);
+  std::string head, body;
+  for (size_t i = 0; i < columns_.size(); ++i) {
+    auto it = sample.find(columns_[i].name);
+    if (it == sample.end()) fail("MDS sample {} lacks column '{}'", pending_.size(), columns_[i].name);
+    std::string datum = encode_value(columns_[i], it->second);
+    if (!sizes_[i]) put(head, static_cast<uint32_t>(datum.size()));
+    body += datum;
+  }
+  for (const auto& [name, value] : sample) {
+    if (std::none_of(columns_.begin(), columns_.end(), [&](const auto& c) { return c.name == name; })) {
+      fail("MDS sample has a field '{}' that is no column of the dataset", name);
+    }
+  }
+  std::string encoded = head + body;
+  // As MDSWriter does: start a new shard when this sample would take the shard past the limit.
+  const int64_t header = 8 + static_cast<int64_t>(shard_config_json().size());
+  if (options_.size_limit && !pending_.empty() &&
+      header + pending_bytes_ + 4 * static_cast<int64_t>(pending_.size() + 1) + static_cast<int64_t>(encoded.size()) + 4 >
+          *options_.size_limit) {
+    flush_shard();
+  }
+  pending_bytes_ += static_cast<int64_t>(encoded.size());
+  pending_.push_back(std::move(encoded));
+}
+
+void MdsWriter::flush_shard() {
+  if (pending_.empty()) return;
+  const std::string config = shard_config_json();
+  const auto n = static_cast<uint32_t>(pending_.size());
+  const uint64_t start = 4 + 4 * (uint64_t{n} + 1) + config.size();
+  if (start + static_cast<uint64_t>(pending_bytes_) > 0xffffffffull) {
+    fail("MDS shard of '{}' would exceed 4 GiB (uint32 offsets); set a smaller size_limit", dir_);
+  }
+  std::string data;
+  data.reserve(start + pending_bytes_);
+  put(data, n);
+  uint64_t offset = start;
+  put(data, static_cast<uint32_t>(offset));
+  for (const auto& s : pending_) {
+    offset += s.size();
+    put(data, static_cast<uint32_t>(offset));
+  }
+  data += config;
+  for (const auto& s : pending_) data += s;
+
+  const std::string basename = fmt::format("shard.{:05d}.mds", shard_entries_.size());
+  nlohmann::json entry = nlohmann::json::parse(config);
+  entry["samples"] = n;
+  entry["raw_data"] = {{"basename", basename}, {"bytes", data.size()}, {"hashes", nlohmann::json::object()}};
+  if (options_.compression.empty()) {
+    write_whole_file((fs::path(dir_) / basename).string(), data);
+    entry["zip_data"] = nullptr;
+  } else {
+    std::string zipped(ZSTD_compressBound(data.size()), '\0');
+    const size_t z = ZSTD_compress(zipped.data(), zipped.size(), data.data(), data.size(), zstd_level(options_.compression));
+    if (ZSTD_isError(z)) fail("zstd compression of {} failed: {}", basename, ZSTD_getErrorName(z));
+    zipped.resize(z);
+    const std::string zip_name = basename + ".zstd";
+    write_whole_file((fs::path(dir_) / zip_name).string(), zipped);
+    entry["zip_data"] = {{"basename", zip_name}, {"bytes", zipped.size()}, {"hashes", nlohmann::json::object()}};
+  }
+  shard_entries_.push_back(entry.dump());
+  pending_.clear();
+  pending_bytes_ = 0;
+}
+
+void MdsWriter::finish() {
+  if (finished_) return;
+  finished_ = true;
+  flush_shard();
+  nlohmann::json index = {{"version", 2}, {"shards", nlohmann::json::array()}};
+  for (const auto& e : shard_entries_) index["shards"].push_back(nlohmann::json::parse(e));
+  write_whole_file((fs::path(dir_) / "index.json").string(), index.dump(4) + "\n");
+}
+
+// ---------------------------------------------------------------------------------------
+// Reader
+
+MdsDataset::MdsDataset(const std::string& path) {
+  fs::path index_path = path;
+  if (fs::is_directory(index_path) || index_path.filename() != "index.json") index_path /= "index.json";
+  dir_ = index_path.parent_path().string();
+  const std::string where = index_path.string();
+  if (!fs::exists(index_path)) fail("MDS index '{}' does not exist", where);
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(read_whole_file(where));
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: not valid JSON: {}", where, e.what());
+  }
+  try {
+    if (index.value("version", 0) != 2) fail("{}: index version {} (MDS index version 2 is supported)", where, index.value("version", 0));
+    const auto& shards = index.at("shards");
+    if (!shards.is_array() || shards.empty()) fail("{}: 'shards' must be a non-empty list", where);
+    for (size_t s = 0; s < shards.size(); ++s) {
+      const auto& e = shards[s];
+      const std::string shard_where = fmt::format("{}: shard {}", where, s);
+      if (e.value("format", std::string()) != "mds") fail("{}: format '{}' (only mds is read)", shard_where, e.value("format", std::string("?")));
+      std::vector<MdsColumn> cols;
+      const auto names = e.at("column_names").get<std::vector<std::string>>();
+      const auto encs = e.at("column_encodings").get<std::vector<std::string>>();
+      if (names.size() != encs.size()) fail("{}: column_names and column_encodings differ in length", shard_where);
+      for (size_t i = 0; i < names.size(); ++i) {
+        if (!is_mds_encoding(encs[i])) fail("{}: column '{}' has unsupported encoding '{}'", shard_where, names[i], encs[i]);
+        cols.push_back({names[i], encs[i]});
+      }
+      if (s == 0) {
+        columns_ = cols;
+        for (const auto& c : columns_) sizes_.push_back(fixed_size(c.encoding));
+      } else if (cols.size() != columns_.size() ||
+                 !std::equal(cols.begin(), cols.end(), columns_.begin(),
+                             [](const auto& a, const auto& b) { return a.name == b.name && a.encoding == b.encoding; })) {
+        fail("{}: columns differ from shard 0's", shard_where);
+      }
+      Shard shard;
+      shard.samples = e.at("samples").get<int64_t>();
+      shard.first = total_;
+      shard.raw_path = (fs::path(dir_) / e.at("raw_data").at("basename").get<std::string>()).string();
+      const auto& zip = e.value("zip_data", nlohmann::json());
+      const auto compression = e.value("compression", nlohmann::json());
+      if (!compression.is_null()) {
+        const std::string c = compression.get<std::string>();
+        if (c != "zstd" && c.rfind("zstd:", 0) != 0) fail("{}: compression '{}' (only zstd is read)", shard_where, c);
+      }
+      if (!zip.is_null()) shard.zip_path = (fs::path(dir_) / zip.at("basename").get<std::string>()).string();
+      // A raw shard on disk wins (streaming keeps both when keep_zip is set).
+      shard.compressed = !fs::exists(shard.raw_path) && !shard.zip_path.empty();
+      if (!shard.compressed && !fs::exists(shard.raw_path)) fail("{}: shard file '{}' does not exist", shard_where, shard.raw_path);
+      if (shard.compressed && !fs::exists(shard.zip_path)) fail("{}: shard file '{}' does not exist", shard_where, shard.zip_path);
+      total_ += shard.samples;
+      shards_.push_back(std::move(shard));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: malformed MDS index: {}", where, e.what());
+  }
+}
+
+bool MdsDataset::has_column(const std::string& name) const {
+  return std::any_of(columns_.begin(), columns_.end(), [&](const auto& c) { return c.name == name; });
+}
+
+std::string MdsDataset::sample_bytes(int64_t index, const Shard** shard_out) const {
+  if (index < 0 || index >= total_) fail("MDS '{}': sample {} is out of range (size {})", dir_, index, total_);
+  auto it = std::upper_bound(shards_.begin(), shards_.end(), index, [](int64_t i, const Shard& s) { return i < s.first; });
+  const Shard& shard = *(it - 1);
+  *shard_out = &shard;
+  const int64_t local = index - shard.first;
+  if (shard.compressed) {
+    std::shared_ptr<std::string> data;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!shard.decompressed) {
+        const std::string zipped = read_whole_file(shard.zip_path);
+        const unsigned long long size = ZSTD_getFrameContentSize(zipped.data(), zipped.size());
+        if (size == ZSTD_CONTENTSIZE_ERROR || size == ZSTD_CONTENTSIZE_UNKNOWN) fail("'{}': not a zstd frame of known size", shard.zip_path);
+        auto out = std::make_shared<std::string>(size, '\0');
+        const size_t got = ZSTD_decompress(out->data(), out->size(), zipped.data(), zipped.size());
+        if (ZSTD_isError(got) || got != size) fail("'{}': zstd decompression failed", shard.zip_path);
+        shard.decompressed = out;
+      }
+      data = shard.decompressed;
+    }
+    const std::string& d = *data;
+    const size_t pos = 4 + 4 * static_cast<size_t>(local);
+    if (d.size() < pos + 8) fail("'{}': truncated offsets (sample {})", shard.zip_path, local);
+    const uint32_t begin = get_le<uint32_t>(d.data() + pos), end = get_le<uint32_t>(d.data() + pos + 4);
+    if (begin > end || end > d.size()) fail("'{}': sample {} has bad offsets {}..{}", shard.zip_path, local, begin, end);
+    return d.substr(begin, end - begin);
+  }
+  const int fd = ::open(shard.raw_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open MDS shard '{}': {}", shard.raw_path, std::strerror(errno));
+  auto read_at = [&](void* buf, size_t n, off_t at) {
+    const ssize_t got = ::pread(fd, buf, n, at);
+    return got == static_cast<ssize_t>(n);
+  };
+  uint32_t head[2];
+  uint32_t count = 0;
+  if (!read_at(&count, 4, 0) || count != static_cast<uint32_t>(shard.samples) ||
+      !read_at(head, 8, static_cast<off_t>(4 + 4 * local))) {
+    ::close(fd);
+    fail("MDS shard '{}': header does not match index.json ({} samples)", shard.raw_path, shard.samples);
+  }
+  std::string bytes;
+  if (head[0] <= head[1]) bytes.resize(head[1] - head[0]);
+  const bool ok = head[0] <= head[1] && read_at(bytes.data(), bytes.size(), head[0]);
+  ::close(fd);
+  if (!ok) fail("MDS shard '{}': sample {} (offsets {}..{}) is truncated", shard.raw_path, local, head[0], head[1]);
+  return bytes;
+}
+
+MdsSample MdsDataset::decode(const std::string& bytes, const Shard& shard, int64_t index) const {
+  const std::string where = fmt::format("MDS shard '{}' sample {}", shard.compressed ? shard.zip_path : shard.raw_path,
+                                        index - shard.first);
+  size_t variable = 0;
+  for (const auto& s : sizes_) variable += s ? 0 : 1;
+  if (bytes.size() < 4 * variable) fail("{}: truncated", where);
+  size_t head = 0, pos = 4 * variable;
+  MdsSample sample;
+  for (size_t i = 0; i < columns_.size(); ++i) {
+    size_t n = 0;
+    if (sizes_[i]) {
+      n = static_cast<size_t>(*sizes_[i]);
+    } else {
+      n = get_le<uint32_t>(bytes.data() + 4 * head++);
+    }
+    if (pos + n > bytes.size()) fail("{}: column '{}' runs past the sample's end", where, columns_[i].name);
+    sample.emplace(columns_[i].name, decode_value(columns_[i], bytes.data() + pos, n, where));
+    pos += n;
+  }
+  if (pos != bytes.size()) fail("{}: {} bytes left over after the last column", where, bytes.size() - pos);
+  return sample;
+}
+
+MdsSample MdsDataset::get(int64_t index) const {
+  const Shard* shard = nullptr;
+  const std::string bytes = sample_bytes(index, &shard);
+  return decode(bytes, *shard, index);
+}
+
+torch::Tensor MdsDataset::int_column(const std::string& column, const std::vector<int64_t>& indices) const {
+  if (!has_column(column)) fail("MDS '{}' has no column '{}'", dir_, column);
+  torch::Tensor out = torch::empty({static_cast<int64_t>(indices.size())}, torch::kLong);
+  auto* p = out.data_ptr<int64_t>();
+  for (size_t i = 0; i < indices.size(); ++i) {
+    const MdsSample s = get(indices[i]);
+    const auto* v = std::get_if<int64_t>(&s.at(column));
+    if (v == nullptr) fail("MDS '{}': column '{}' is not an integer column", dir_, column);
+    p[i] = *v;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// JSONL / CSV -> MDS
+
+int64_t convert_records_to_mds(const std::string& input, const std::string& out_dir,
+                               const std::vector<MdsColumn>& columns, const MdsWriterOptions& options) {
+  const std::string file = fs::is_directory(input) ? resolve_records_file(input, "train") : input;
+  const auto records = read_records(file);
+  MdsWriter writer(out_dir, columns, options);
+  for (size_t r = 0; r < records.size(); ++r) {
+    const auto& rec = records[r];
+    const std::string where = fmt::format("{}: record {}", file, r + 1);
+    MdsSample sample;
+    for (const auto& col : columns) {
+      if (!rec.contains(col.name)) fail("{}: field '{}' is missing", where, col.name);
+      const auto& v = rec.at(col.name);
+      try {
+        if (const auto* s = find_scalar(col.encoding)) {
+          // CSV cells are strings: numbers are parsed from them.
+          if (v.is_string()) {
+            const std::string text = v.get<std::string>();
+            size_t used = 0;
+            if (s->is_float) {
+              sample[col.name] = std::stod(text, &used);
+            } else {
+              sample[col.name] = static_cast<int64_t>(std::stoll(text, &used));
+            }
+            if (used != text.size()) throw std::invalid_argument(text);
+          } else if (s->is_float && v.is_number()) {
+            sample[col.name] = v.get<double>();
+          } else if (v.is_number_integer()) {
+            sample[col.name] = v.get<int64_t>();
+          } else {
+            throw std::invalid_argument(v.dump());
+          }
+        } else if (col.encoding == "json") {
+          sample[col.name] = v.is_string() ? v.get<std::string>() : v.dump();
+        } else if (col.encoding == "str" || col.encoding == "bytes") {
+          sample[col.name] = v.is_string() ? v.get<std::string>() : v.dump();
+        } else {
+          // ndarray: a JSON list of numbers (or its text in a CSV cell), stored as its dtype.
+          auto nd = parse_ndarray(col.encoding);
+          const nlohmann::json list = v.is_string() ? nlohmann::json::parse(v.get<std::string>()) : v;
+          if (!list.is_array()) throw std::invalid_argument(v.dump());
+          const DtypeCode* code = dtype_by_name(nd->dtype.value_or("float32"));
+          if (!code->torch_type) fail("{}: column '{}': dtype {} is not supported for conversion", where, col.name, code->name);
+          torch::Tensor t = torch::tensor(list.get<std::vector<double>>(), torch::kDouble).to(*code->torch_type);
+          if (nd->shape) t = t.reshape(*nd->shape);
+          sample[col.name] = t;
+        }
+      } catch (const replica::Error&) {
+        throw;
+      } catch (const std::exception&) {
+        fail("{}: field '{}' value {} does not fit encoding {}", where, col.name, v.dump(), col.encoding);
+      }
+    }
+    try {
+      writer.write(sample);
+    } catch (const replica::Error& e) {
+      fail("{}: {}", where, e.what());
+    }
+  }
+  writer.finish();
+  return static_cast<int64_t>(records.size());
+}
+
+}  // namespace replica::data

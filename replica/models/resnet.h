@@ -1,0 +1,51 @@
+// ResNet-18 (He et al. 2015, torchvision's resnet18 layout) for small single-channel images
+// such as Fashion-MNIST's 28x28.
+//
+// Parameter names follow torchvision (conv1, bn1, layer1.0.conv1, layer1.0.bn1, ...,
+// layer2.0.downsample.0/1, fc), so weights map one to one onto a torchvision model with
+// conv1 replaced for in_channels and the stem option below.
+// stem: "imagenet" = 7x7 stride-2 conv + 3x3 stride-2 max-pool (torchvision; 28x28 input
+// reaches layer1 at 7x7, cheap); "small" = 3x3 stride-1 conv, no pool (the CIFAR variant;
+// layer1 at 28x28, ~16x the compute, usually a point or two more accuracy).
+// The norm layer is pluggable (BatchNorm2d by default) so that DDP runs can put
+// ddp::SyncBatchNorm2d in its place; it must keep BatchNorm2d's parameter names.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <string>
+
+namespace replica::models {
+
+using NormLayerFactory = std::function<torch::nn::AnyModule(int64_t channels)>;
+
+struct ResNetOptions {
+  int64_t in_channels = 1;
+  int64_t num_classes = 10;
+  std::string stem = "imagenet";  // imagenet | small
+  NormLayerFactory norm_layer;     // empty: torch::nn::BatchNorm2d
+};
+
+class ResNet18Impl : public torch::nn::Module {
+ public:
+  explicit ResNet18Impl(ResNetOptions options = {});
+  // x [B, in_channels, H, W] float; returns logits [B, num_classes].
+  torch::Tensor forward(torch::Tensor x);
+
+ private:
+  torch::nn::Conv2d conv1_{nullptr};
+  torch::nn::AnyModule bn1_;
+  std::vector<torch::nn::Sequential> layers_;
+  torch::nn::Linear fc_{nullptr};
+  bool pool_ = true;
+  int64_t in_channels_ = 1;
+};
+TORCH_MODULE(ResNet18);
+
+}  // namespace replica::models
