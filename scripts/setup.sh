@@ -12,6 +12,7 @@ PACKAGES=(
   libpcre2-dev libsentencepiece-dev libicu-dev  # tokenizers: pre-tokenizer regexes, tokenizer.model, Unicode normalization
   libgtest-dev libgmock-dev libbenchmark-dev python3-jinja2
   iproute2 procps
+  gnuplot-nox                                   # replica plot: training curves as PNG/SVG
 )
 
 missing=()
