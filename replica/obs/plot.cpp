@@ -52,10 +52,11 @@ std::string path_literal(const std::string& path) {
 }
 
 // One panel: the given series on one plot, or a note when none has points.
+// key_at: where the legend goes ("top right"; rising curves such as accuracy: "bottom right").
 std::string panel(const Series& s, const std::string& title, const std::string& ylabel,
-                  const std::vector<std::string>& keys, bool log_y = false) {
-  std::string out = fmt::format("set title {}\nset xlabel \"step\"\nset ylabel {}\n", quoted(title), quoted(ylabel));
-  out += log_y ? "set logscale y\n" : "unset logscale y\n";
+                  const std::vector<std::string>& keys, const std::string& key_at = "top right") {
+  std::string out = fmt::format("set title {}\nset xlabel \"step\"\nset ylabel {}\nset key {} opaque\n",
+                                quoted(title), quoted(ylabel), key_at);
   std::vector<std::string> plots;
   int color = 1;
   for (const auto& key : keys) {
@@ -160,7 +161,7 @@ PlotResult plot_metrics(const std::string& project_dir, const std::string& forma
   std::string script;
   script += format == "png" ? "set terminal pngcairo size 1400,1000 font \"sans,11\"\n"
                             : "set terminal svg size 1400,1000 dynamic font \"sans,11\"\n";
-  script += "set output " + path_literal(tmp_image) + "\nset grid\nset key top right\n";
+  script += "set output " + path_literal(tmp_image) + "\nset grid\n";
   std::string safe_keys;
   for (const auto& [key, points] : s) {
     std::string name = key;
@@ -172,7 +173,8 @@ PlotResult plot_metrics(const std::string& project_dir, const std::string& forma
   script += panel(s, "loss", "loss", {"loss", "eval_loss"});
   script += panel(s, "learning rate", "learning rate", {"lr"});
   script += panel(s, "throughput", "per second", {"samples_per_s", "tokens_per_s"});
-  script += panel(s, "evaluation", "eval metric", std::vector<std::string>(eval_keys.begin(), eval_keys.end()));
+  script += panel(s, "evaluation", "eval metric", std::vector<std::string>(eval_keys.begin(), eval_keys.end()),
+                  "bottom right");
   script += "unset multiplot\nset output\n";
 
   char script_path[] = "/tmp/replica-plot-XXXXXX";
