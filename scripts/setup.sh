@@ -14,6 +14,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev python3-jinja2
   iproute2 procps
   openmpi-bin                                     # mpirun tests (replica workers under mpirun)
+  gnuplot-nox                                   # replica plot: training curves as PNG/SVG
 )
 
 missing=()

@@ -16,3 +16,5 @@ if [ ! -f replica/text/tests/conformance/node_modules/.package-lock.json ]; then
 fi
 # Tests start multi-process jobs on a 2-core machine: run test programs one at a time.
 ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 "$@"
+# The installed package: examples/downstream built with find_package(replica), 2 workers.
+BUILD_DIR="$BUILD_DIR" ./scripts/check_downstream.sh

@@ -7,6 +7,7 @@
 #include "replica/core/error.h"
 #include "replica/io/config.h"
 #include "replica/launch/launcher.h"
+#include "replica/obs/plot.h"
 #include "replica/train/trainer.h"
 
 #include <CLI/CLI.hpp>
@@ -15,6 +16,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <set>
 
@@ -57,13 +60,40 @@ replica::io::RunConfig config_with_overrides(const std::string& path, const std:
   return replica::io::parse_config(emitter.c_str(), path + " (with command-line overrides)");
 }
 
+// `--timeline FILE` after --config: not a config key but a request to the trainer, passed to
+// every worker as REPLICA_TIMELINE (an absolute path) and taken out of the overrides.
+std::vector<std::string> take_timeline_flag(std::vector<std::string> extras) {
+  for (size_t i = 0; i < extras.size(); ++i) {
+    std::string file;
+    size_t n = 0;
+    if (extras[i] == "--timeline") {
+      if (i + 1 >= extras.size() || extras[i + 1].rfind("--", 0) == 0) {
+        replica::fail("--timeline needs a file name (--timeline trace.json)");
+      }
+      file = extras[i + 1];
+      n = 2;
+    } else if (extras[i].rfind("--timeline=", 0) == 0) {
+      file = extras[i].substr(11);
+      n = 1;
+    } else {
+      continue;
+    }
+    if (file.empty()) replica::fail("--timeline needs a file name (--timeline trace.json)");
+    setenv("REPLICA_TIMELINE", std::filesystem::absolute(file).string().c_str(), 1);
+    extras.erase(extras.begin() + static_cast<std::ptrdiff_t>(i), extras.begin() + static_cast<std::ptrdiff_t>(i + n));
+    --i;
+  }
+  return extras;
+}
+
 int run_main(int argc, char** argv) {
   CLI::App app{"replica: data-parallel training in C++ on LibTorch (DDP, launcher, trainer)", "replica"};
   app.set_version_flag("--version", std::string("replica ") + REPLICA_VERSION);
   app.require_subcommand(0, 1);
   app.allow_extras();
   std::string config_path;
-  app.add_option("--config", config_path, "Run the task a YAML file describes (flags after it override its keys)")
+  app.add_option("--config", config_path, "Run the task a YAML file describes (flags after it override its keys; "
+                                         "--timeline FILE writes a Chrome trace of every rank)")
       ->check(CLI::ExistingFile);
 
   auto* launch = app.add_subcommand("launch", "Start workers of a program, torchrun-compatible: "
@@ -125,6 +155,11 @@ int run_main(int argc, char** argv) {
   auto* mds = app.add_subcommand("mds", "MDS shards (Mosaic Streaming format): convert JSONL/CSV, write the "
                                         "synthetic recommender data");
   auto mds_command = replica::cli::add_mds_command(*mds);
+  auto* plot_cmd = app.add_subcommand("plot", "Render a run's metrics.jsonl (loss, learning rate, throughput, eval "
+                                              "metrics) to PROJECT_DIR/metrics.png with gnuplot");
+  std::string plot_dir, plot_format = "png";
+  plot_cmd->add_option("PROJECT_DIR", plot_dir, "A run's project directory (holds metrics.jsonl)")->required();
+  plot_cmd->add_option("--format", plot_format, "png or svg")->check(CLI::IsMember({"png", "svg"}))->capture_default_str();
 
   auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
   std::string format = "text";
@@ -172,12 +207,21 @@ int run_main(int argc, char** argv) {
   if (*tokenize) return replica::cli::tokenize_command(tokenizer_dir, tokenize_chat, tokenize_template);
   if (*merge) return replica::cli::merge_adapter_command(merge_model, merge_adapter, merge_out);
   if (*mds) return replica::cli::run_mds_command(*mds_command);
+  if (*plot_cmd) {
+    const auto plot = replica::obs::plot_metrics(plot_dir, plot_format);
+    if (!plot.written) {
+      std::cerr << "replica plot: " << plot.note << "\n";
+      return 1;
+    }
+    std::cout << plot.path << "\n";
+    return 0;
+  }
   if (*env_cmd) {
     std::cout << replica::cli::env_report(format == "json");
     return 0;
   }
   if (!config_path.empty()) {
-    auto config = config_with_overrides(config_path, app.remaining());
+    auto config = config_with_overrides(config_path, take_timeline_flag(app.remaining()));
     std::vector<std::string> self = {"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) self.emplace_back(argv[i]);
     return replica::train::run(config, self);

@@ -3,6 +3,8 @@
 // Why: every bad input must end in one clear line naming the thing at fault (file, key,
 // tensor, rank) and a non-zero exit. Code throws replica::Error with that line; the CLI
 // prints e.what() and exits 1. Anything else escaping is a bug and is reported as such.
+//
+// Thread-safety: an exception type and a formatting helper; no shared state.
 #pragma once
 
 #include <fmt/format.h>

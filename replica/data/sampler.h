@@ -5,6 +5,9 @@
 // drop_last=false pads by repeating the start so every rank gets ceil(N/W) samples;
 // drop_last=true truncates so every rank gets floor(N/W). Ranks' slices are disjoint
 // (apart from padding) and together cover the data set.
+//
+// Thread-safety: a sampler is a plain value; set_epoch() and indices() on one instance need
+// external synchronization, separate instances are independent.
 #pragma once
 
 #include <cstdint>

@@ -3,6 +3,7 @@
 #include "replica/core/error.h"
 #include "replica/core/system.h"
 #include "replica/ddp/bucketing.h"
+#include "replica/obs/timeline.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -10,6 +11,7 @@
 #include <c10/util/strides.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <numeric>
 
 namespace replica::ddp {
@@ -237,6 +239,7 @@ void DistributedDataParallel::launch_ready_buckets() {
     Bucket& bucket = buckets_[next_bucket_];
     GradBucket view{next_bucket_, bucket.buffer, bucket.params, next_bucket_ + 1 == buckets_.size()};
     bucket.complete = hook_(*pg_, view);
+    bucket.launched_us = obs::Timeline::instance().enabled() ? obs::Timeline::now_us() : -1;
     ++next_bucket_;
   }
 }
@@ -265,13 +268,29 @@ void DistributedDataParallel::finalize_backward() {
     launch_ready_buckets();
   }
   // The optimizer step needs every bucket: wait for those still in flight (in order).
-  for (auto& bucket : buckets_) {
-    if (bucket.complete) {
-      auto complete = std::move(bucket.complete);
-      bucket.complete = nullptr;
-      complete();
+  const auto wait_start = std::chrono::steady_clock::now();
+  {
+    obs::Span wait_span("comm wait", "comm");
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      if (bucket.complete) {
+        auto complete = std::move(bucket.complete);
+        bucket.complete = nullptr;
+        complete();
+        // The timeline shows each bucket on its own track, from launch (during backward) to
+        // when this thread saw it complete, so its overlap with backward is visible.
+        if (bucket.launched_us >= 0) {
+          const int64_t bytes = bucket.buffer.numel() * static_cast<int64_t>(bucket.buffer.element_size());
+          obs::Timeline::instance().record(fmt::format("allreduce bucket {}", b), "comm",
+                                           fmt::format("comm bucket {}", b), bucket.launched_us,
+                                           obs::Timeline::now_us(),
+                                           fmt::format(R"({{"bytes":{},"parameters":{}}})", bytes, bucket.params.size()));
+          bucket.launched_us = -1;
+        }
+      }
     }
   }
+  comm_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
   const bool rebuild = !rebuilt_;
   if (options_.static_graph) static_known_ = true;
   reset_iteration();

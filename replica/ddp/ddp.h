@@ -111,6 +111,9 @@ class DistributedDataParallel {
   std::vector<std::vector<size_t>> bucket_assignment() const;
   const std::vector<std::string>& trainable_parameter_names() const { return names_; }
   bool buckets_rebuilt() const { return rebuilt_; }
+  // Seconds backward passes have spent blocked on bucket all-reduces since construction:
+  // the communication that backward did not hide (the trainer's comm-wait time split).
+  double comm_wait_seconds() const { return comm_wait_seconds_; }
 
  private:
   struct Bucket {
@@ -119,6 +122,7 @@ class DistributedDataParallel {
     std::vector<torch::Tensor> views;  // one per member, shaped like the parameter
     size_t pending = 0;
     std::function<void()> complete;  // set once launched
+    int64_t launched_us = -1;        // timeline only: when the all-reduce was launched
   };
   struct Slot {
     size_t bucket = 0;
@@ -153,6 +157,7 @@ class DistributedDataParallel {
   std::vector<size_t> arrival_order_;
   std::vector<size_t> static_unused_;  // static_graph: parameters unused in the first step
   bool static_known_ = false;
+  double comm_wait_seconds_ = 0;
 };
 
 }  // namespace replica::ddp

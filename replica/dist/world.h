@@ -3,6 +3,9 @@
 // Read from the environment the way torchrun sets it (RANK, LOCAL_RANK, WORLD_SIZE,
 // LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT); under mpirun the same facts come
 // from OMPI_COMM_WORLD_*, under Slurm from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/...
+//
+// Thread-safety: world_from_env() only reads the environment; safe from any thread as long
+// as nothing calls setenv concurrently.
 #pragma once
 
 #include <optional>

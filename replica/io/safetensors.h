@@ -5,6 +5,9 @@
 // "__metadata__": {"k": "v"}}, then the raw little-endian data; offsets are relative to the
 // start of the data section. Every field is bounds-checked on read: a truncated or lying
 // file is a replica::Error naming the file and the tensor, never a crash.
+//
+// Thread-safety: the functions share no state; concurrent reads of one file are safe,
+// concurrent writes of one path are not (the last rename wins).
 #pragma once
 
 #include <torch/types.h>

@@ -8,6 +8,10 @@
 #include "replica/io/files.h"
 #include "replica/io/safetensors.h"
 #include "replica/launch/launcher.h"
+#include "replica/obs/plot.h"
+#include "replica/obs/progress.h"
+#include "replica/obs/tensorboard.h"
+#include "replica/obs/timeline.h"
 #include "replica/train/checkpoint.h"
 #include "replica/train/optim.h"
 #include "replica/train/schedule.h"
@@ -19,8 +23,10 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 namespace fs = std::filesystem;
 
@@ -166,6 +172,47 @@ struct Metrics {
   }
 };
 
+// Seconds per optimizer step spent in each part of the loop, summed over a logging window
+// (rank 0's own clock): the metrics' time split.
+struct TimeSplit {
+  double data = 0, forward = 0, backward = 0, comm_wait = 0, optimizer = 0;
+};
+// The L2 norm over every gradient (DDP's gradients are already the global average).
+double global_grad_norm(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> norms;
+  for (const auto& param : params) {
+    if (param.grad().defined()) norms.push_back(param.grad().detach().norm(2.0).to(torch::kDouble));
+  }
+  return norms.empty() ? 0.0 : torch::stack(norms).norm(2.0).item<double>();
+}
+
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// --timeline FILE (REPLICA_TIMELINE): every rank's events reach rank 0 through the process
+// group (so it works across hosts), which writes one Chrome trace.
+void write_timeline(dist::ProcessGroup& pg, const std::string& file) {
+  const std::string mine = obs::Timeline::instance().take_chrome_trace_events();
+  obs::Timeline::instance().disable();
+  torch::Tensor size = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
+  std::vector<torch::Tensor> sizes;
+  pg.allgather(sizes, size);
+  int64_t longest = 0;
+  for (auto& t : sizes) longest = std::max(longest, t.item<int64_t>());
+  torch::Tensor bytes = torch::zeros({longest}, torch::kUInt8);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  std::vector<torch::Tensor> all;
+  pg.allgather(all, bytes);
+  if (pg.rank() != 0) return;
+  std::vector<std::string> ranks;
+  for (size_t r = 0; r < all.size(); ++r) {
+    ranks.emplace_back(static_cast<const char*>(all[r].data_ptr()), static_cast<size_t>(sizes[r].item<int64_t>()));
+  }
+  const fs::path path(file);
+  if (path.has_parent_path()) fs::create_directories(path.parent_path());
+  write_file(path, obs::merge_chrome_trace(ranks));
+  spdlog::info("timeline: {} (open in ui.perfetto.dev or chrome://tracing)", file);
+}
+
 }  // namespace
 
 io::NamedTensors Workload::state_tensors() {
@@ -231,6 +278,8 @@ int run_worker(const io::RunConfig& config) {
   pg_options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.collective_timeout * 1000));
   auto pg = dist::init_process_group(world, pg_options);
   const bool main = pg->rank() == 0;
+  const std::optional<std::string> timeline_file = env("REPLICA_TIMELINE");
+  if (timeline_file) obs::Timeline::instance().enable(pg->rank());
   if (main) {
     spdlog::info("replica: task {} on {} worker{} ({} thread{} each), backend {}", config.task, pg->size(),
                  pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s", p.distributed_backend);
@@ -285,6 +334,7 @@ int run_worker(const io::RunConfig& config) {
   }
 
   Metrics metrics;
+  std::unique_ptr<obs::EventFileWriter> tensorboard;
   if (main) {
     fs::create_directories(project);
     write_file(project / "config.yaml", io::to_yaml(config));
@@ -292,7 +342,19 @@ int run_worker(const io::RunConfig& config) {
     // Resuming: drop metrics of steps that will be redone. Fresh start: a dead run's metrics go.
     truncate_metrics(project / "metrics.jsonl", std::max<int64_t>(start, 0));
     metrics.open(project / "metrics.jsonl");
+    if (config.log == "tensorboard") tensorboard = std::make_unique<obs::EventFileWriter>(project.string());
   }
+  // TensorBoard's names for what metrics.jsonl logs ("train/loss", "eval/accuracy").
+  auto to_tensorboard = [&](const nlohmann::json& j) {
+    if (!tensorboard) return;
+    const int64_t step = j["step"].get<int64_t>();
+    for (const auto& [key, value] : j.items()) {
+      if (key == "step" || !value.is_number()) continue;
+      if (key.rfind("eval_", 0) == 0) tensorboard->add_scalar("eval/" + key.substr(5), value.get<double>(), step);
+      else tensorboard->add_scalar("train/" + key, value.get<double>(), step);
+    }
+    tensorboard->flush();
+  };
 
   data::DistributedSampler sampler(workload->train_size(), pg->rank(), pg->size(), p.shuffle,
                                    static_cast<uint64_t>(p.seed), /*drop_last=*/false);
@@ -304,6 +366,9 @@ int run_worker(const io::RunConfig& config) {
   if (micro_per_epoch == 0) fail("the training split '{}' is empty", config.data.train_split);
 
   const bool bf16 = p.mixed_precision == "bf16";
+  // Rank 0's console: a live bar on a terminal, the periodic lines otherwise.
+  std::optional<obs::Progress> progress;
+  if (main) progress.emplace(2);
   auto evaluate = [&](int64_t epoch_for_log) {
     if (workload->valid_size() == 0) return;
     std::vector<int64_t> mine;
@@ -328,8 +393,9 @@ int run_worker(const io::RunConfig& config) {
       int64_t extra_at = 4;
       for (const auto& [name, value] : s.extra) j["eval_" + name] = t[extra_at++].item<double>() / count;
       metrics.write(j);
-      spdlog::info("eval step {}: eval_loss {:.4f} eval_accuracy {:.4f}", state.global_step,
-                   j["eval_loss"].get<double>(), j["eval_accuracy"].get<double>());
+      to_tensorboard(j);
+      progress->line(fmt::format("eval step {}: eval_loss {:.4f} eval_accuracy {:.4f}", state.global_step,
+                                 j["eval_loss"].get<double>(), j["eval_accuracy"].get<double>()));
       state.log_history.push_back(j);
     }
   };
@@ -352,6 +418,8 @@ int run_worker(const io::RunConfig& config) {
   double window_loss = 0;
   int64_t window_steps = 0, window_samples = 0, window_tokens = 0;
   auto window_start = Clock::now();
+  TimeSplit split;
+  double grad_norm = 0;
   const auto run_start = Clock::now();
   int64_t last_checkpoint = start;
 
@@ -365,6 +433,8 @@ int run_worker(const io::RunConfig& config) {
       // first backward then hands its gradient over instead of adding it to zeros, one pass
       // less over every gradient; DDP moves it into its bucket.
       for (auto& param : params) param.mutable_grad() = torch::Tensor();
+      const auto data_start = Clock::now();
+      std::optional<obs::Span> data_span(std::in_place, "data", "data");
       std::vector<std::vector<int64_t>> micro_batches;
       for (int64_t k = 0; k < group; ++k) {
         const int64_t begin = (state.micro_step + k) * batch;
@@ -387,6 +457,8 @@ int run_worker(const io::RunConfig& config) {
         pg->allreduce_sum(t).wait();
         item_scale = static_cast<double>(pg->size()) / std::max(1.0, t[0].item<double>());
       }
+      data_span.reset();
+      split.data += since(data_start);
       double step_loss = 0;
       for (int64_t k = 0; k < group; ++k) {
         const std::vector<int64_t>& indices = micro_batches[k];
@@ -397,6 +469,8 @@ int run_worker(const io::RunConfig& config) {
         }
         torch::Tensor loss;
         {
+          const auto forward_start = Clock::now();
+          obs::Span forward_span("forward", "compute");
           at::autocast::set_cpu_enabled(bf16);
           if (bf16) at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
           if (token_weighted) {
@@ -406,19 +480,37 @@ int run_worker(const io::RunConfig& config) {
           }
           at::autocast::set_cpu_enabled(false);
           if (bf16) at::autocast::clear_cache();
+          split.forward += since(forward_start);
         }
-        if (k + 1 < group) {
-          auto no_sync = ddp.no_sync();
-          loss.backward();
-        } else {
-          loss.backward();
+        const auto backward_start = Clock::now();
+        const double comm_wait_before = ddp.comm_wait_seconds();
+        {
+          obs::Span backward_span("backward", "compute");
+          if (k + 1 < group) {
+            auto no_sync = ddp.no_sync();
+            loss.backward();
+          } else {
+            loss.backward();
+          }
         }
+        split.backward += since(backward_start);
+        split.comm_wait += ddp.comm_wait_seconds() - comm_wait_before;
         step_loss += loss.item<double>();
         window_samples += static_cast<int64_t>(indices.size());
         window_tokens += workload->tokens_in(indices);
       }
-      if (p.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, p.max_grad_norm);
-      optimizer->step();
+      const auto optimizer_start = Clock::now();
+      {
+        obs::Span optimizer_span("optimizer step", "compute");
+        if (p.max_grad_norm > 0) {
+          grad_norm = torch::nn::utils::clip_grad_norm_(params, p.max_grad_norm);
+        } else if ((state.global_step + 1) % std::max<int64_t>(1, p.logging_steps) == 0 ||
+                   state.global_step + 1 == total_steps) {
+          grad_norm = global_grad_norm(params);  // logged even when clipping is off
+        }
+        optimizer->step();
+      }
+      split.optimizer += since(optimizer_start);
       state.micro_step += group;
       state.global_step += 1;
       window_loss += step_loss;
@@ -436,21 +528,47 @@ int run_worker(const io::RunConfig& config) {
           const double tps = t[3].item<double>() / std::max(seconds, 1e-9);
           const double epoch_f = state.epoch + static_cast<double>(state.micro_step) / micro_per_epoch;
           const double lr = learning_rate(p.scheduler, p.lr, state.global_step - 1, total_steps, warmup);
-          nlohmann::json j = {{"step", state.global_step}, {"epoch", epoch_f}, {"loss", loss},
-                              {"lr", lr},                  {"samples_per_s", sps}};
-          if (t[3].item<double>() > 0) j["tokens_per_s"] = tps;
+          // Time split: seconds per step on rank 0; compute is forward + backward minus the
+          // part of backward spent blocked on communication.
+          const double per_step = 1.0 / std::max<int64_t>(1, window_steps);
+          nlohmann::json j = {{"step", state.global_step},
+                              {"epoch", epoch_f},
+                              {"loss", loss},
+                              {"lr", lr},
+                              {"grad_norm", grad_norm},
+                              {"samples_per_s", sps},
+                              {"tokens_per_s", tps},
+                              {"time_compute_s", (split.forward + split.backward - split.comm_wait) * per_step},
+                              {"time_comm_wait_s", split.comm_wait * per_step},
+                              {"time_data_wait_s", split.data * per_step},
+                              {"time_optimizer_s", split.optimizer * per_step}};
           metrics.write(j);
-          if (t[3].item<double>() > 0) {
-            spdlog::info("step {}/{} epoch {:.2f} loss {:.4f} lr {:.3g} {:.1f} samples/s {:.0f} tokens/s",
-                         state.global_step, total_steps, epoch_f, loss, lr, sps, tps);
-          } else {
-            spdlog::info("step {}/{} epoch {:.2f} loss {:.4f} lr {:.3g} {:.0f} samples/s", state.global_step,
-                         total_steps, epoch_f, loss, lr, sps);
+          to_tensorboard(j);
+          obs::ProgressState ps{state.global_step, total_steps, epoch_f, loss, sps, t[3].item<double>() > 0 ? tps : 0};
+          if (!progress->live()) {
+            if (t[3].item<double>() > 0) {
+              progress->line(fmt::format("step {}/{} epoch {:.2f} loss {:.4f} lr {:.3g} {:.1f} samples/s {:.0f} tokens/s",
+                                         state.global_step, total_steps, epoch_f, loss, lr, sps, tps));
+            } else {
+              progress->line(fmt::format("step {}/{} epoch {:.2f} loss {:.4f} lr {:.3g} {:.0f} samples/s",
+                                         state.global_step, total_steps, epoch_f, loss, lr, sps));
+            }
           }
+          progress->update(ps);
         }
+        split = TimeSplit{};
         window_loss = 0;
         window_steps = window_samples = window_tokens = 0;
         window_start = Clock::now();
+      }
+      if (main && !(state.global_step % std::max<int64_t>(1, p.logging_steps) == 0 || state.global_step == total_steps)) {
+        // Between logged steps the bar still moves (the loss and rates of the last window).
+        obs::ProgressState ps;
+        ps.step = state.global_step;
+        ps.total_steps = total_steps;
+        ps.epoch = state.epoch + static_cast<double>(state.micro_step) / micro_per_epoch;
+        ps.loss = std::nan("");
+        progress->update(ps);
       }
       if (p.eval_every > 0 && state.global_step % p.eval_every == 0) evaluate(state.epoch);
       if (state.micro_step >= micro_per_epoch) {
@@ -470,10 +588,20 @@ int run_worker(const io::RunConfig& config) {
 
   if (p.checkpoint_every > 0 && last_checkpoint != state.global_step) checkpoint();
   if (main) {
+    progress->finish();
     workload->save_final((project / "final").string());
     const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
     spdlog::info("done: {} steps in {:.1f} s; model in {}/final", state.global_step, seconds, config.project_name);
+    // The curves of the run, for a person to open; a missing gnuplot is a note, not a failure.
+    try {
+      const obs::PlotResult plot = obs::plot_metrics(config.project_name);
+      if (plot.written) spdlog::info("plot: {}", plot.path);
+      else spdlog::info("no plot: {}", plot.note);
+    } catch (const Error& e) {
+      spdlog::warn("no plot: {}", e.what());
+    }
   }
+  if (timeline_file) write_timeline(*pg, *timeline_file);
   pg->barrier();
   return 0;
 }
