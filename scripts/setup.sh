@@ -12,7 +12,12 @@ PACKAGES=(
   libpcre2-dev libsentencepiece-dev libicu-dev  # tokenizers: pre-tokenizer regexes, tokenizer.model, Unicode normalization
   libgtest-dev libgmock-dev libbenchmark-dev python3-jinja2
   iproute2 procps
+  libssl-dev                                      # OpenSSL: HMAC-locked rendezvous, checkpoint SHA-256
 )
+# Fuzzing is opt-in (CI does not fuzz): REPLICA_FUZZ=1 scripts/setup.sh adds clang and libFuzzer.
+if [ "${REPLICA_FUZZ:-0}" = 1 ]; then
+  PACKAGES+=(clang-14 libclang-rt-14-dev)
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
