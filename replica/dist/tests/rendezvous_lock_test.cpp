@@ -124,7 +124,9 @@ TEST(LockedRendezvous, GarbageAndWrongTokenAreRefusedWhileATwoWorkerJobFinishes)
 
     // Release the workers with the right token.
     auto admitted = rdzv::Client::connect("127.0.0.1", port, token, rdzv::Clock::now() + std::chrono::seconds(30));
-    const std::string key = std::string("replica/restart0/user/") + kReleaseKey;
+    // c10d's PrefixStore joins prefix and key with '/': the process group's user keys live
+    // under "replica/restart0/user/" + "/" + key.
+    const std::string key = std::string("replica/restart0/user//") + kReleaseKey;
     if (admitted) admitted->set(key, rdzv::Bytes{'1'});
   });
   const auto r = replica::testing::run_program(
