@@ -25,8 +25,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t split = std::min<size_t>(data[1], size - 2);
   const uint8_t* rest = data + 2;
   if (session.feed(rest, split, out, now) && session.feed(rest + split, size - 2 - split, out, now)) {
-    // A pending wait either completes or times out.
-    session.progress(out, now + std::chrono::hours(24 * 8));
+    // Every pending wait (one per frame at most) either completes or times out; each
+    // one's timeout is at most 7 days from when it was parsed.
+    auto later = now;
+    for (size_t i = 0; i <= size && session.waiting(); ++i) {
+      later += std::chrono::hours(24 * 8);
+      if (!session.progress(out, later)) break;
+    }
     if (session.waiting()) __builtin_trap();
   }
   return 0;
