@@ -109,8 +109,8 @@ class Session {
 class Server {
  public:
   // Listens on host:port (that address only; port 0 picks a free one). replica::Error when
-  // the address does not resolve, is not this host's, or the port is taken. `where` names
-  // the rendezvous in log lines.
+  // the address does not resolve, is not this host's, or the port is taken. Log lines name
+  // the rendezvous as host:port.
   Server(const std::string& host, int port, std::string token);
   ~Server();
   Server(const Server&) = delete;
