@@ -15,7 +15,12 @@ PACKAGES=(
   iproute2 procps
   openmpi-bin                                     # mpirun tests (replica workers under mpirun)
   gnuplot-nox                                   # replica plot: training curves as PNG/SVG
+  libssl-dev                                      # OpenSSL: HMAC-locked rendezvous, checkpoint SHA-256
 )
+# Fuzzing is opt-in (CI does not fuzz): REPLICA_FUZZ=1 scripts/setup.sh adds clang and libFuzzer.
+if [ "${REPLICA_FUZZ:-0}" = 1 ]; then
+  PACKAGES+=(clang-14 libclang-rt-14-dev)
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

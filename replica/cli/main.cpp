@@ -110,6 +110,10 @@ int run_main(int argc, char** argv) {
       ->capture_default_str();
   launch->add_option("--max-restarts,--max_restarts", lopts.max_restarts, "Restarts of the worker group after a failure")
       ->capture_default_str();
+  launch->add_option("--token", lopts.token, "Rendezvous secret for every worker (default: env REPLICA_TOKEN, "
+                                            "or a random one on one node)");
+  bool standalone = false;
+  launch->add_flag("--standalone", standalone, "One node on loopback with a free rendezvous port");
   launch->add_option("--threads-per-worker", lopts.threads_per_worker, "Intra-op threads per worker (0: cores / workers)")
       ->capture_default_str();
   launch->prefix_command();
@@ -193,6 +197,14 @@ int run_main(int argc, char** argv) {
     if (command.empty()) replica::fail("replica launch: no program given (replica launch [options] -- PROGRAM [ARGS...])");
     lopts.nproc_per_node = replica::launch::resolve_nproc(nproc);
     lopts.command = command;
+    if (standalone) {
+      // torchrun's --standalone: one node, loopback, a port nobody else holds (no 29500 clashes).
+      if (lopts.nnodes != 1 || lopts.master_port != 0) {
+        replica::fail("replica launch: --standalone is one node on a free port; it cannot be combined with "
+                      "--nnodes {} or --master-port {}", lopts.nnodes, lopts.master_port);
+      }
+      lopts.master_addr = "127.0.0.1";
+    }
     return replica::launch::run(lopts);
   }
   if (*bench_ar) {

@@ -166,6 +166,18 @@ void read_payload(GzReader& reader, const std::string& path, void* out, uint64_t
   }
 }
 
+// A header may announce far more data than the file holds; allocating for it first would let
+// a few bytes of input claim gigabytes. Deflate expands at most 1032:1, so no file (plain or
+// gzip) of N bytes can supply more than 1032 * N payload bytes.
+void check_announced(const std::string& path, uint64_t bytes) {
+  std::error_code error;
+  const uint64_t size = fs::file_size(path, error);
+  if (!error && bytes > size * 1032) {
+    fail("fashion-mnist: {} is truncated: its header announces {} data bytes, more than a {} byte file can hold",
+         path, bytes, size);
+  }
+}
+
 torch::Tensor read_images(const std::string& path) {
   GzReader reader(path);
   const std::vector<uint32_t> dims = read_header(reader, path, kImagesMagic, 3);
@@ -180,6 +192,7 @@ torch::Tensor read_images(const std::string& path) {
          path, count, rows, cols);
   }
   const uint64_t bytes = count * pixels;
+  check_announced(path, bytes);
   auto images = torch::empty({static_cast<int64_t>(count), static_cast<int64_t>(rows),
                               static_cast<int64_t>(cols)},
                              torch::kUInt8);
@@ -190,6 +203,7 @@ torch::Tensor read_images(const std::string& path) {
 torch::Tensor read_labels(const std::string& path) {
   GzReader reader(path);
   const uint64_t count = read_header(reader, path, kLabelsMagic, 1)[0];
+  check_announced(path, count);
   auto raw = torch::empty({static_cast<int64_t>(count)}, torch::kUInt8);
   const uint8_t* data = raw.data_ptr<uint8_t>();
   read_payload(reader, path, raw.data_ptr<uint8_t>(), count);

@@ -27,7 +27,8 @@ std::vector<nlohmann::json> read_jsonl(const std::string& file) {
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
+    } catch (const nlohmann::json::exception& e) {
+      // parse_error, and out_of_range for a number too large for a double (1e999).
       fail("{}:{}: not valid JSON: {}", file, number, e.what());
     }
     if (!j.is_object()) fail("{}:{}: each line must be a JSON object, got {}", file, number, j.type_name());

@@ -3,10 +3,11 @@
 
 #include "replica/core/error.h"
 #include "replica/core/system.h"
+#include "replica/dist/store.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/version.h>
 
 namespace replica::dist {
@@ -143,9 +144,55 @@ std::string ProcessGroup::store_get(const std::string& key) {
 namespace detail {
 namespace {
 
-class TcpStoreHandle final : public Store {
+// c10d's Store interface over the locked rendezvous client, so that Gloo rendezvouses
+// through it. The server (rank 0 only) lives as long as the store.
+class LockedStore final : public c10d::Store {
  public:
-  explicit TcpStoreHandle(c10::intrusive_ptr<c10d::Store> s) : store(std::move(s)) {}
+  LockedStore(std::shared_ptr<rdzv::Client> client, std::shared_ptr<rdzv::Server> server,
+              std::chrono::milliseconds timeout)
+      : c10d::Store(timeout), client_(std::move(client)), server_(std::move(server)) {}
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override { client_->set(key, value); }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    return client_->compare_set(key, expected, desired);
+  }
+  // c10d's get blocks until the key exists (up to the store's timeout).
+  std::vector<uint8_t> get(const std::string& key) override {
+    wait({key}, timeout_);
+    auto value = client_->get(key);
+    if (!value) fail("rendezvous: key '{}' vanished between wait and get", key);
+    return *value;
+  }
+  int64_t add(const std::string& key, int64_t value) override { return client_->add(key, value); }
+  bool deleteKey(const std::string& key) override { return client_->remove(key); }
+  bool check(const std::vector<std::string>& keys) override { return client_->check(keys); }
+  int64_t getNumKeys() override { return client_->num_keys(); }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    if (!client_->wait(keys, timeout)) {
+      fail("rendezvous at {}:{}: timed out after {} s waiting for {}", client_->host(), client_->port(),
+           timeout.count() / 1000.0, keys.size() == 1 ? "key '" + keys[0] + "'" : fmt::format("{} keys", keys.size()));
+    }
+  }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  // 2.5+: a second connection to the same server (the server stays with the original).
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    auto client = rdzv::Client::connect(client_->host(), client_->port(), client_->token(),
+                                        rdzv::Clock::now() + timeout_);
+    if (!client) fail("rendezvous at {}:{} is gone", client_->host(), client_->port());
+    return c10::make_intrusive<LockedStore>(std::move(client), nullptr, timeout_);
+  }
+#endif
+
+ private:
+  std::shared_ptr<rdzv::Client> client_;
+  std::shared_ptr<rdzv::Server> server_;
+};
+
+class StoreHandle final : public Store {
+ public:
+  explicit StoreHandle(c10::intrusive_ptr<c10d::Store> s) : store(std::move(s)) {}
   void set(const std::string& key, const std::string& value) override {
     store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
   }
@@ -162,23 +209,21 @@ class TcpStoreHandle final : public Store {
 
 }  // namespace
 
-std::shared_ptr<Store> make_tcp_store(const std::string& host, int port, bool is_server,
-                                      int world_size, std::chrono::milliseconds timeout) {
-  c10d::TCPStoreOptions opts;
-  opts.port = static_cast<std::uint16_t>(port);
-  opts.isServer = is_server;
-  opts.numWorkers = world_size;
-  opts.waitWorkers = false;  // replica's own check-in names the ranks that never arrive
-  opts.timeout = timeout;
-  return std::make_shared<TcpStoreHandle>(c10::make_intrusive<c10d::TCPStore>(host, opts));
+std::shared_ptr<Store> make_store(const std::string& host, int port, bool is_server, const std::string& token,
+                                  std::chrono::milliseconds timeout) {
+  std::shared_ptr<rdzv::Server> server;
+  if (is_server) server = std::make_shared<rdzv::Server>(host, port, token);
+  std::shared_ptr<rdzv::Client> client = rdzv::Client::connect(host, port, token, rdzv::Clock::now() + timeout);
+  if (!client) return nullptr;
+  return std::make_shared<StoreHandle>(c10::make_intrusive<LockedStore>(std::move(client), std::move(server), timeout));
 }
 
 std::shared_ptr<ProcessGroup> make_process_group(const std::shared_ptr<Store>& store,
                                                  const std::string& prefix,
                                                  const WorldInfo& world,
                                                  const ProcessGroupOptions& options) {
-  auto tcp = std::dynamic_pointer_cast<TcpStoreHandle>(store);
-  if (!tcp) fail("internal: process group needs a TCP store");
+  auto tcp = std::dynamic_pointer_cast<StoreHandle>(store);
+  if (!tcp) fail("internal: process group needs the rendezvous store");
   if (options.backend != "gloo") {
     fail("distributed backend '{}' is not available in this build (available: gloo)",
          options.backend);

@@ -22,9 +22,12 @@ class Store {
   virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
 };
 
-// Rank 0 (is_server) hosts the TCPStore; others connect, retrying up to `timeout`.
-std::shared_ptr<Store> make_tcp_store(const std::string& host, int port, bool is_server,
-                                      int world_size, std::chrono::milliseconds timeout);
+// The locked rendezvous store (store.h): rank 0 (is_server) hosts it on host:port, listening
+// on that address only; everyone, rank 0 included, connects and proves `token`. Returns
+// nullptr when nothing answered at host:port within `timeout`; replica::Error for a busy
+// port, a foreign address or a refused token.
+std::shared_ptr<Store> make_store(const std::string& host, int port, bool is_server, const std::string& token,
+                                  std::chrono::milliseconds timeout);
 
 // The process group with its collective backend on a rendezvous store (keys under `prefix`).
 std::shared_ptr<ProcessGroup> make_process_group(const std::shared_ptr<Store>& store,

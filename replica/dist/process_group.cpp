@@ -6,14 +6,10 @@
 #include "replica/dist/shm_transport.h"
 #include "replica/core/system.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
+#include <spdlog/spdlog.h>
+
 #include <thread>
 
 namespace replica::dist {
@@ -22,64 +18,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds(std::chrono::milliseconds ms) { return ms.count() / 1000.0; }
-
-// Rank 0 hosts the store: make sure MASTER_ADDR:MASTER_PORT can be listened on, so that a
-// busy port or a foreign address gets a message that says so instead of c10d's generic one.
-void check_port_free(const std::string& addr, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  if (getaddrinfo(addr.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
-    fail("MASTER_ADDR '{}' does not resolve to an address", addr);
-  }
-  int fd = socket(res->ai_family, SOCK_STREAM, 0);
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (res->ai_family == AF_INET) {
-    reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_port = htons(static_cast<uint16_t>(port));
-  } else {
-    reinterpret_cast<sockaddr_in6*>(res->ai_addr)->sin6_port = htons(static_cast<uint16_t>(port));
-  }
-  int rc = bind(fd, res->ai_addr, res->ai_addrlen);
-  int err = errno;
-  if (rc == 0) rc = listen(fd, 1), err = errno;
-  close(fd);
-  freeaddrinfo(res);
-  if (rc != 0 && err == EADDRINUSE) {
-    fail("rendezvous port {} on {} is already in use (MASTER_PORT); choose another with "
-         "--master-port / params.master_port, or leave it unset on one node for a free port",
-         port, addr);
-  }
-  if (rc != 0 && err == EADDRNOTAVAIL) {
-    fail("MASTER_ADDR {} is not an address of this host, but rank 0 must host the rendezvous "
-         "there", addr);
-  }
-  if (rc != 0) fail("cannot listen on {}:{} for the rendezvous: {}", addr, port, std::strerror(err));
-}
-
-// Workers may start before rank 0 listens. c10d's client gives up at the first refused
-// connection (and logs each try), so wait quietly for the listener until the deadline.
-bool wait_for_listener(const std::string& addr, int port, Clock::time_point deadline) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const std::string service = std::to_string(port);
-  if (getaddrinfo(addr.c_str(), service.c_str(), &hints, &res) != 0 || res == nullptr) {
-    fail("MASTER_ADDR '{}' does not resolve to an address", addr);
-  }
-  bool up = false;
-  while (!up) {
-    int fd = socket(res->ai_family, SOCK_STREAM, 0);
-    up = connect(fd, res->ai_addr, res->ai_addrlen) == 0;
-    close(fd);
-    if (up || Clock::now() >= deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  freeaddrinfo(res);
-  return up;
-}
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s;
@@ -104,23 +42,30 @@ std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
   // Keys are per restart so a restarted group never reads its predecessor's check-ins.
   const std::string prefix = fmt::format("replica/restart{}/", world.restart_count);
   const bool server = world.rank == 0;
-  if (server) check_port_free(world.master_addr, world.master_port);
+  std::string token = options.token;
+  if (token.empty()) token = env("REPLICA_TOKEN").value_or("");
+  if (token.empty() && server) {
+    spdlog::warn("rendezvous {}: no REPLICA_TOKEN / --token is set, so any process that can reach this address "
+                 "may join; `replica launch` on one node sets one itself, on several nodes pass the same --token "
+                 "to every launcher",
+                 where);
+  }
 
+  // Rank 0's port-in-use and foreign-address errors come from the server as they are.
   std::shared_ptr<detail::Store> store;
-  if (!server && !wait_for_listener(world.master_addr, world.master_port,
-                                    Clock::now() + options.rdzv_timeout)) {
+  try {
+    store = detail::make_store(world.master_addr, world.master_port, server, token, options.rdzv_timeout);
+  } catch (const replica::Error& e) {
+    if (server) throw;
+    fail("rank {}: {}", world.rank, e.what());
+  } catch (const std::exception& e) {
+    if (server) fail("rank 0 could not host the rendezvous at {}: {}", where, e.what());
+    fail("rank {} could not join the rendezvous at {}: {}", world.rank, where, e.what());
+  }
+  if (!store) {
     fail("rank {} could not reach the rendezvous at {} within {} s (is rank 0 running there? "
          "check MASTER_ADDR/MASTER_PORT)",
          world.rank, where, seconds(options.rdzv_timeout));
-  }
-  try {
-    store = detail::make_tcp_store(world.master_addr, world.master_port, server, world.world_size,
-                                   options.rdzv_timeout);
-  } catch (const std::exception& e) {
-    if (server) fail("rank 0 could not host the rendezvous at {}: {}", where, e.what());
-    fail("rank {} could not reach the rendezvous at {} within {} s (is rank 0 running there? "
-         "check MASTER_ADDR/MASTER_PORT): {}",
-         world.rank, where, seconds(options.rdzv_timeout), e.what());
   }
 
   // Check in, then rank 0 waits for everyone and releases them together.

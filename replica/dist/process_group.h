@@ -1,7 +1,7 @@
 // The process group: rendezvous plus collectives, over LibTorch's c10d.
 //
-// Rendezvous is env:// style: rank 0 hosts a c10d TCPStore on MASTER_ADDR:MASTER_PORT, every
-// rank checks in, and only when all have joined is the Gloo process group built on it. A rank
+// Rendezvous is env:// style: rank 0 hosts the locked store (store.h) on MASTER_ADDR:MASTER_PORT,
+// listening there only; every rank proves the job's token and checks in, and only when all have joined is the Gloo process group built on it. A rank
 // that never arrives is named in the error rank 0 raises after the rendezvous timeout; a port
 // already in use is named as such. Every c10d call that differs between LibTorch 1.13 and
 // 2.x lives in c10d_compat.cpp.
@@ -25,6 +25,10 @@ struct ProcessGroupOptions {
   // All-reduce transport: "auto" (shared memory when every rank is on this host, else the
   // backend), "shm" (error unless all ranks share the host) or "gloo". Env REPLICA_TRANSPORT.
   std::string transport = "auto";
+  // The job's shared secret, proven by every rank before the rendezvous admits it (store.h).
+  // Empty: env REPLICA_TOKEN; neither set: an empty secret, and rank 0 warns that the
+  // rendezvous is then open to any local or remote process that speaks its protocol.
+  std::string token;
 };
 
 // An asynchronous collective in flight. wait() blocks until it is done and rethrows a

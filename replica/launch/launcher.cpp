@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <openssl/rand.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -495,8 +496,12 @@ struct RunGuard {
 
 }  // namespace
 
-int run(const LaunchOptions& options) {
-  validate(options);
+int run(const LaunchOptions& requested) {
+  validate(requested);
+  LaunchOptions options = requested;
+  if (options.token.empty()) options.token = env("REPLICA_TOKEN").value_or("");
+  if (options.token.empty() && options.nnodes == 1) options.token = random_token();
+  if (!options.token.empty()) options.env["REPLICA_TOKEN"] = options.token;
   RunGuard guard;
   // One port for the whole run: every restart rendezvouses at the same address.
   const int master_port = options.master_port != 0 ? options.master_port : find_free_port(options.master_addr);
@@ -555,6 +560,14 @@ int resolve_nproc(const std::string& spec) {
          cores, cores == 1 ? "core" : "cores");
   }
   return static_cast<int>(n);
+}
+
+std::string random_token() {
+  unsigned char bytes[32];
+  if (RAND_bytes(bytes, sizeof bytes) != 1) fail("replica launch: OpenSSL could not produce a random token");
+  std::string hex;
+  for (unsigned char b : bytes) hex += fmt::format("{:02x}", b);
+  return hex;
 }
 
 int find_free_port(const std::string& addr) {

@@ -24,6 +24,10 @@ struct LaunchOptions {
   int threads_per_worker = 0; // 0: usable cores / nproc_per_node (at least 1); sets OMP_NUM_THREADS
   std::vector<std::string> command;          // program and its arguments
   std::map<std::string, std::string> env;    // extra variables for every worker
+  // The rendezvous secret every worker gets as REPLICA_TOKEN (never logged or written out).
+  // Empty: the launcher's own REPLICA_TOKEN; neither set on one node: a fresh random one.
+  // Several nodes must share one, so there it is never made up.
+  std::string token;
 };
 
 // How one worker ended.
@@ -46,6 +50,9 @@ int run(const LaunchOptions& options);
 // "auto" -> usable cores; a positive integer -> itself; otherwise replica::Error.
 // More than 4 workers per usable core is an error naming the limit.
 int resolve_nproc(const std::string& spec);
+
+// 32 random bytes (OpenSSL RAND_bytes) as 64 hex digits: a fresh rendezvous secret.
+std::string random_token();
 
 // A TCP port that is free on `addr` right now (bind to port 0 and read it back).
 int find_free_port(const std::string& addr = "127.0.0.1");

@@ -57,18 +57,35 @@ std::string save_checkpoint(const std::string& project_dir, const Checkpoint& ck
   const fs::path final_dir = project / fmt::format("checkpoint-{}", ckpt.state.global_step);
   const fs::path tmp = project / fmt::format(".checkpoint-{}.tmp-{}", ckpt.state.global_step, getpid());
   std::error_code ec;
-  fs::remove_all(tmp, ec);
-  fs::create_directories(tmp);
-  io::save_safetensors((tmp / ckpt.model_file).string(), ckpt.model, {{"format", "pt"}});
-  if (ckpt.extras) ckpt.extras(tmp.string());
-  io::save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
-  io::save_safetensors((tmp / "rng_state.safetensors").string(), ckpt.rng);
-  // trainer_state.json last: its presence in a renamed directory marks a whole checkpoint.
-  io::write_file_atomically((tmp / "trainer_state.json").string(), ckpt.state.to_json().dump(2) + "\n");
-  io::fsync_path(tmp.string());
-  fs::remove_all(final_dir, ec);
-  fs::rename(tmp, final_dir);
-  io::fsync_path(project.string());
+  const auto previous = list_checkpoints(project_dir);  // newest first
+  try {
+    fs::remove_all(tmp, ec);
+    fs::create_directories(tmp);
+    io::save_safetensors((tmp / ckpt.model_file).string(), ckpt.model, {{"format", "pt"}});
+    if (ckpt.extras) ckpt.extras(tmp.string());
+    io::save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
+    io::save_safetensors((tmp / "rng_state.safetensors").string(), ckpt.rng);
+    // trainer_state.json last: its presence in a renamed directory marks a whole checkpoint.
+    io::write_file_atomically((tmp / "trainer_state.json").string(), ckpt.state.to_json().dump(2) + "\n");
+    // Checksums of everything above, verified before any resume from this checkpoint.
+    io::write_checksum_manifest(tmp.string());
+    io::fsync_path(tmp.string());
+    // An older save of the same step (a resumed run redoing it) is moved aside rather than
+    // deleted first, so some complete checkpoint-N exists at every instant.
+    const fs::path replaced = project / fmt::format(".checkpoint-{}.old-{}", ckpt.state.global_step, getpid());
+    const bool had_same_step = fs::exists(final_dir);
+    if (had_same_step) fs::rename(final_dir, replaced);
+    fs::rename(tmp, final_dir);
+    io::fsync_path(project.string());
+    if (had_same_step) fs::remove_all(replaced, ec);
+  } catch (const std::exception& e) {
+    fs::remove_all(tmp, ec);
+    const std::string kept = previous.empty()
+                                 ? "there is no earlier checkpoint to fall back on"
+                                 : fmt::format("the previous checkpoint {} is intact and a restart resumes from it",
+                                               previous.front());
+    fail("could not save {}: {}; nothing was changed: {}", final_dir.string(), e.what(), kept);
+  }
 
   if (save_total_limit > 0) {
     auto all = list_checkpoints(project_dir);  // newest first
@@ -99,8 +116,14 @@ Checkpoint load_checkpoint(const std::string& dir) {
   c.dir = dir;
   const fs::path d(dir);
   const fs::path state_path = d / "trainer_state.json";
+  if (!fs::exists(state_path)) fail("{}: missing trainer_state.json", dir);
+  // Before anything is parsed: a flipped byte anywhere must stop the resume from this one.
+  if (!io::verify_checksum_manifest(dir)) {
+    spdlog::warn("{} has no {} (saved by an older replica); its files cannot be verified", dir,
+                 io::kChecksumManifest);
+  }
   std::ifstream in(state_path);
-  if (!in) fail("{}: missing trainer_state.json", dir);
+  if (!in) fail("{}: cannot read trainer_state.json", dir);
   nlohmann::json j;
   try {
     in >> j;

@@ -276,6 +276,7 @@ int run_worker(const io::RunConfig& config) {
   }
   pg_options.rdzv_timeout = std::chrono::milliseconds(static_cast<int64_t>(rdzv_timeout * 1000));
   pg_options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.collective_timeout * 1000));
+  pg_options.token = p.token;  // empty: REPLICA_TOKEN from the launcher
   auto pg = dist::init_process_group(world, pg_options);
   const bool main = pg->rank() == 0;
   const std::optional<std::string> timeline_file = env("REPLICA_TIMELINE");
@@ -620,6 +621,7 @@ int run(const io::RunConfig& config, const std::vector<std::string>& self_argv) 
   opts.max_restarts = config.params.max_restarts;
   opts.threads_per_worker = config.params.threads_per_worker;
   opts.command = self_argv;
+  opts.token = config.params.token;
   return launch::run(opts);
 }
 

@@ -311,3 +311,15 @@ TEST(FashionMnist, AbsurdHeaderIsRejectedBeforeAllocating) {
   expect_error([&] { load_fashion_mnist(dir.path().string(), "tiny"); },
                {images.string(), "0x3 pixels"});
 }
+
+// Found by fuzz/fuzz_idx: a header within the reader's limits (here 1 GiB of pixels) in a
+// file of a few bytes was allocated for before the data ran out. Now refused up front.
+TEST(FashionMnist, HeaderAnnouncingMoreThanTheFileCanHoldIsRejectedBeforeAllocating) {
+  TempDir dir;
+  write_tiny_split(dir.path());
+  const fs::path images = dir.path() / "tiny-images-idx3-ubyte";
+  fs::remove(dir.path() / "tiny-images-idx3-ubyte.gz");
+  write_raw(images, images_file(0x803, 1u << 14, 256, 256, 3));
+  expect_error([&] { load_fashion_mnist(dir.path().string(), "tiny"); },
+               {images.string(), "truncated", "1073741824 data bytes", "more than a 19 byte file can hold"});
+}

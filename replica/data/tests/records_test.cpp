@@ -67,3 +67,17 @@ TEST(Records, ErrorsNameFileAndLine) {
   EXPECT_THROW(replica::data::read_records(d.string(), "valid"), replica::Error);
   fs::remove_all(d);
 }
+
+// Found by fuzz/fuzz_records: a number too large for a double is nlohmann's out_of_range,
+// not a parse_error; it must still be an error naming the file and line, not a crash.
+TEST(Records, NumberOutOfRangeIsAnErrorNamingTheLine) {
+  auto d = temp_dir();
+  write(d / "huge.jsonl", "{\"text\": \"a\"}\n{\"x\": 1e999}\n");
+  try {
+    replica::data::read_records((d / "huge.jsonl").string());
+    FAIL();
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("huge.jsonl:2: not valid JSON"), std::string::npos) << e.what();
+  }
+  fs::remove_all(d);
+}

@@ -600,7 +600,7 @@ double median(std::vector<double> v) {
 // Worker for the dead-peer test: the victim reports after a few collectives and goes on until
 // it is killed; survivors loop until the all-reduce fails and send the message to the parent.
 void dead_peer_worker(int rank, int size, int port, const std::string& job, int victim) {
-  auto store = replica::dist::detail::make_tcp_store("127.0.0.1", port, rank == 0, size, 60'000ms);
+  auto store = replica::dist::detail::make_store("127.0.0.1", port, rank == 0, "shm-test", 60'000ms);
   ShmAllreduce::Rendezvous rdzv{[&](const std::string& k, const std::string& v) { store->set(k, v); },
                                 [&](const std::string& k) { return store->get(k); }};
   ShmAllreduce ar(rank, size, rdzv, 3000ms, job);

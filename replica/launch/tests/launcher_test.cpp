@@ -165,6 +165,27 @@ TEST_F(LauncherTest, PortZeroPicksOneFreePortForAllWorkers) {
   EXPECT_LT(port, 65536);
 }
 
+// The rendezvous secret: one fresh random token per one-node job, shared by its workers;
+// an explicit one is passed through as it is; several nodes never get a made-up one.
+TEST_F(LauncherTest, OneNodeJobGetsOneRandomTokenAndAGivenTokenIsPassedThrough) {
+  const char* saved = std::getenv("REPLICA_TOKEN");
+  const std::string saved_value = saved ? saved : "";
+  unsetenv("REPLICA_TOKEN");
+  LaunchOptions o = shell("printf %s \"$REPLICA_TOKEN\" > \"$OUT/token.$RANK\"", 2);
+  ASSERT_EQ(replica::launch::run(o), 0);
+  const std::string first = read_text(dir_ / "token.0");
+  EXPECT_EQ(first.size(), 64u) << first;
+  EXPECT_EQ(first.find_first_not_of("0123456789abcdef"), std::string::npos) << first;
+  EXPECT_EQ(first, read_text(dir_ / "token.1"));
+  ASSERT_EQ(replica::launch::run(o), 0);
+  EXPECT_NE(read_text(dir_ / "token.0"), first) << "each job needs its own secret";
+
+  o.token = "given-secret";
+  ASSERT_EQ(replica::launch::run(o), 0);
+  EXPECT_EQ(read_text(dir_ / "token.1"), "given-secret");
+  if (saved) setenv("REPLICA_TOKEN", saved_value.c_str(), 1);
+}
+
 TEST_F(LauncherTest, PortZeroOnSeveralNodesIsAnError) {
   LaunchOptions o = shell("true", 1);
   o.nnodes = 2;

@@ -3,10 +3,13 @@
 #include "replica/train/checkpoint.h"
 
 #include "replica/core/error.h"
+#include "replica/io/files.h"
 #include "replica/io/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -252,6 +255,87 @@ TEST_F(CheckpointTest, SkippedCheckpointIsReportedOnStderr) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("checkpoint-20"), std::string::npos)
       << "the warning about the skipped checkpoint did not reach stderr; stderr was: '" << text << "'";
+}
+
+TEST_F(CheckpointTest, OneFlippedByteInTheNewestModelFileFallsBackToThePreviousCheckpoint) {
+  replica::train::save_checkpoint(project(), make(10), 0);
+  replica::train::save_checkpoint(project(), make(20), 0);
+  EXPECT_TRUE(fs::exists(fs::path(ckpt_dir(20)) / "checksums.sha256"));
+  // One byte in the tensor data: the file still parses as safetensors, only the checksum
+  // can tell.
+  const fs::path model = fs::path(ckpt_dir(20)) / "model.safetensors";
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-3, std::ios::end);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(-3, std::ios::end);
+    c = static_cast<char>(c ^ 0x01);
+    f.write(&c, 1);
+  }
+  EXPECT_NO_THROW(replica::io::load_safetensors(model.string()));
+  try {
+    replica::train::load_checkpoint(ckpt_dir(20));
+    FAIL() << "a corrupted checkpoint must not load";
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint-20/model.safetensors: SHA-256 does not match"), std::string::npos)
+        << e.what();
+  }
+  std::vector<std::string> skipped;
+  auto latest = replica::train::latest_checkpoint(project(), &skipped);
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->state.global_step, 10);
+  expect_same_tensors(make(10).model, latest->model);
+  EXPECT_EQ(skipped, (std::vector<std::string>{ckpt_dir(20)}));
+}
+
+TEST_F(CheckpointTest, ChecksumManifestListsEveryFileAndAMissingOneIsNamed) {
+  replica::train::save_checkpoint(project(), make(10), 0);
+  std::ifstream in(fs::path(ckpt_dir(10)) / "checksums.sha256");
+  const std::string manifest((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const char* name : {"model.safetensors", "optimizer.safetensors", "rng_state.safetensors", "trainer_state.json"}) {
+    EXPECT_NE(manifest.find(std::string("  ") + name + "\n"), std::string::npos) << name << " in " << manifest;
+  }
+  EXPECT_EQ(replica::io::sha256_file((fs::path(ckpt_dir(10)) / "trainer_state.json").string()).size(), 64u);
+  fs::remove(fs::path(ckpt_dir(10)) / "rng_state.safetensors");
+  try {
+    replica::train::load_checkpoint(ckpt_dir(10));
+    FAIL() << "a checkpoint missing a listed file must not load";
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rng_state.safetensors: missing"), std::string::npos) << e.what();
+  }
+}
+
+// A write that fails midway (the disk fills up) is injected with RLIMIT_FSIZE: writes past
+// the limit fail with EFBIG, as they would with ENOSPC, without needing a mount.
+TEST_F(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntactAndSaysSo) {
+  replica::train::save_checkpoint(project(), make(10), 0);
+  Checkpoint big = make(20);
+  big.model.emplace_back("huge", torch::zeros({1 << 20}));  // 4 MiB
+  struct rlimit old {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 1 << 20;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string message;
+  try {
+    replica::train::save_checkpoint(project(), big, 0);
+  } catch (const replica::Error& e) {
+    message = e.what();
+  }
+  setrlimit(RLIMIT_FSIZE, &old);
+  signal(SIGXFSZ, old_handler);
+  EXPECT_NE(message.find("could not save " + ckpt_dir(20)), std::string::npos) << message;
+  EXPECT_NE(message.find("the previous checkpoint " + ckpt_dir(10) + " is intact"), std::string::npos) << message;
+  // Nothing half-written is left behind, and the previous checkpoint still verifies.
+  EXPECT_EQ(replica::train::list_checkpoints(project()), (std::vector<std::string>{ckpt_dir(10)}));
+  for (const auto& entry : fs::directory_iterator(project())) {
+    EXPECT_EQ(entry.path().filename().string().find(".checkpoint-"), std::string::npos) << entry.path();
+  }
+  auto latest = replica::train::latest_checkpoint(project());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->state.global_step, 10);
 }
 
 }  // namespace

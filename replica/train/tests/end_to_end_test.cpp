@@ -354,7 +354,7 @@ TEST_F(EndToEnd, FreshStartDoesNotKeepStaleMetrics) {
   EXPECT_EQ(train_steps(metrics_of(p)), one_to(5));
 }
 
-// A corrupt newest checkpoint is skipped with a warning naming it; the run resumes from the
+// A corrupt newest checkpoint (one byte changed) is skipped with a warning naming it; the run resumes from the
 // previous one and ends where the straight run ends.
 TEST_F(EndToEnd, CorruptNewestCheckpointIsSkipped) {
   const fs::path cfg = write_config("run", {{"checkpoint_every", "10"}, {"save_total_limit", "2"}});
@@ -364,8 +364,15 @@ TEST_F(EndToEnd, CorruptNewestCheckpointIsSkipped) {
   ASSERT_TRUE(fs::is_directory(p / "checkpoint-10"));
   ASSERT_TRUE(fs::is_directory(p / "checkpoint-20"));
   const auto straight = load_model(p / "final" / "model.safetensors");
+  // One flipped byte in the weights: the file still parses, only its checksum tells.
   const fs::path model = p / "checkpoint-20" / "model.safetensors";
-  fs::resize_file(model, fs::file_size(model) - 100);
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-100, std::ios::end);
+    const char c = static_cast<char>(f.get() ^ 0x10);
+    f.seekp(-100, std::ios::end);
+    f.put(c);
+  }
 
   const Result r = train(cfg, p, {"--max-steps", "20"});
   if (HasFailure()) return;
