@@ -38,7 +38,7 @@ CollectiveMonitor::CollectiveMonitor(int rank, int world_size, std::chrono::mill
                                      bool desync_check, StoreAccess store)
     : rank_(rank), world_size_(world_size), timeout_(timeout), desync_check_(desync_check),
       store_(std::move(store)) {
-  store_.set(progress_key(rank_), "0|-|-");
+  store_.set(progress_key(rank_), "0|0|-|-");
   if (timeout_.count() > 0) thread_ = std::thread([this] { watch(); });
 }
 
@@ -128,29 +128,38 @@ std::string CollectiveMonitor::state_locked() const {
                      waiting);
 }
 
+std::chrono::milliseconds CollectiveMonitor::tick() const {
+  // Short against the timeout, so that a report is at most one tick old.
+  return std::clamp<std::chrono::milliseconds>(timeout_ / 10, std::chrono::milliseconds(100),
+                                               std::chrono::milliseconds(2000));
+}
+
+// Every tick: "heartbeat|completed|kind|waiting". The heartbeat tells a live rank from a
+// stopped or dead one, whose last report stays behind unchanged.
+void CollectiveMonitor::publish() {
+  std::string state;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    state = state_locked();
+  }
+  try {
+    store_.set(progress_key(rank_), fmt::format("{}|{}", ++heartbeat_, state));
+  } catch (const std::exception&) {
+    // The store is gone (rank 0 ended): the transports report that on their own.
+  }
+}
+
 void CollectiveMonitor::watch() {
-  // Ticks are short against the timeout so a report is at most one tick old.
-  const auto tick = std::clamp<std::chrono::milliseconds>(timeout_ / 10, std::chrono::milliseconds(100),
-                                                          std::chrono::milliseconds(2000));
-  std::string published = "0|-|-";
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stopping_) {
-    wake_.wait_for(lock, tick, [this] { return stopping_; });
+    wake_.wait_for(lock, tick(), [this] { return stopping_; });
     if (stopping_) break;
-    const std::string state = state_locked();
     std::optional<std::pair<uint64_t, InFlight>> overdue;
     if (!in_flight_.empty() && Clock::now() - in_flight_.begin()->second.since > timeout_) {
       overdue.emplace(in_flight_.begin()->first, in_flight_.begin()->second);
     }
     lock.unlock();
-    try {
-      if (state != published) {
-        store_.set(progress_key(rank_), state);
-        published = state;
-      }
-    } catch (const std::exception&) {
-      // The store is gone (rank 0 ended): the transports report that on their own.
-    }
+    publish();
     if (overdue) {
       const double waited = std::chrono::duration<double>(Clock::now() - overdue->second.since).count();
       report_timeout(overdue->first, overdue->second.kind, waited);
@@ -160,32 +169,57 @@ void CollectiveMonitor::watch() {
 }
 
 void CollectiveMonitor::report_timeout(uint64_t seq, const std::string& kind, double waited_s) {
+  auto read_all = [&] {
+    std::vector<std::string> states(world_size_);
+    for (int r = 0; r < world_size_; ++r) {
+      if (r == rank_) continue;
+      try {
+        if (store_.check(progress_key(r))) states[r] = store_.get(progress_key(r));
+      } catch (const std::exception&) {
+      }
+    }
+    return states;
+  };
+  // Two looks at the others' reports, a few ticks apart (publishing our own heartbeat
+  // meanwhile, since the others are doing the same): a report that did not change belongs to
+  // a rank whose watchdog does not run, i.e. a stopped, frozen or dead process.
+  const auto before = read_all();
+  for (int i = 0; i < 3; ++i) {
+    std::this_thread::sleep_for(tick());
+    publish();
+  }
+  const auto after = read_all();
+
   std::string per_rank;
   std::vector<int> absent;  // ranks not waiting in this collective
   for (int r = 0; r < world_size_; ++r) {
-    std::string state;
-    try {
-      if (r == rank_) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        state = state_locked();
-      } else if (store_.check(progress_key(r))) {
-        state = store_.get(progress_key(r));
-      }
-    } catch (const std::exception&) {
-    }
     if (!per_rank.empty()) per_rank += "; ";
+    std::string state;
+    if (r == rank_) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      state = "0|" + state_locked();
+    } else {
+      state = after[r];
+    }
     if (state.empty()) {
       per_rank += fmt::format("rank {}: no report", r);
       absent.push_back(r);
       continue;
     }
-    const auto first = state.find('|');
-    const auto second = state.find('|', first + 1);
-    const std::string completed = state.substr(0, first);
-    const std::string completed_kind = state.substr(first + 1, second - first - 1);
-    const std::string waiting = state.substr(second + 1);
+    std::vector<std::string> fields;
+    std::stringstream in(state);
+    for (std::string f; std::getline(in, f, '|');) fields.push_back(f);
+    fields.resize(4);
+    const std::string& completed = fields[1];
+    const std::string& completed_kind = fields[2];
+    const std::string& waiting = fields[3];
     per_rank += completed == "0" ? fmt::format("rank {}: none", r)
                                  : fmt::format("rank {}: #{} {}", r, completed, completed_kind);
+    if (r != rank_ && before[r] == after[r]) {
+      per_rank += " (its watchdog stopped reporting: the process is stopped, frozen or dead)";
+      absent.push_back(r);
+      continue;
+    }
     per_rank += waiting == "-" ? " (not in a collective)" : fmt::format(" (waiting in {})", waiting);
     if (waiting == "-" || std::strtoull(waiting.c_str() + 1, nullptr, 10) > seq) absent.push_back(r);
   }

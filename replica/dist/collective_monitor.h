@@ -62,6 +62,8 @@ class CollectiveMonitor {
 
  private:
   void watch();
+  void publish();
+  std::chrono::milliseconds tick() const;
   std::string state_locked() const;
   [[noreturn]] void report_timeout(uint64_t seq, const std::string& kind, double waited_s);
 
@@ -74,6 +76,7 @@ class CollectiveMonitor {
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   bool stopping_ = false;
+  uint64_t heartbeat_ = 0;  // watchdog thread only
   uint64_t next_seq_ = 1;
   uint64_t last_completed_ = 0;
   std::string last_completed_kind_;

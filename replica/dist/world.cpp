@@ -91,7 +91,10 @@ std::optional<WorldInfo> world_from_env() {
     w.world_size = required_int("OMPI_COMM_WORLD_SIZE");
     w.local_rank = int_or("OMPI_COMM_WORLD_LOCAL_RANK", 0);
     w.local_world_size = int_or("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
-    w.node_rank = int_or("OMPI_COMM_WORLD_NODE_RANK", 0);
+    // OMPI_COMM_WORLD_NODE_RANK is the rank among the processes of a node (like LOCAL_RANK),
+    // not the node's index. With mpirun's default placement (--map-by slot: consecutive ranks
+    // fill a node) the node index is rank / local size.
+    w.node_rank = w.local_world_size > 0 ? w.rank / w.local_world_size : 0;
     w.launched_by = "mpirun";
     read_master(w);
     validate(w, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
