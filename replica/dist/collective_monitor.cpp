@@ -216,7 +216,8 @@ void CollectiveMonitor::report_timeout(uint64_t seq, const std::string& kind, do
     per_rank += completed == "0" ? fmt::format("rank {}: none", r)
                                  : fmt::format("rank {}: #{} {}", r, completed, completed_kind);
     if (r != rank_ && before[r] == after[r]) {
-      per_rank += " (its watchdog stopped reporting: the process is stopped, frozen or dead)";
+      per_rank += " at its last report (its watchdog stopped reporting since: the process is stopped, frozen "
+                  "or dead)";
       absent.push_back(r);
       continue;
     }
