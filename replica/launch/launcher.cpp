@@ -573,12 +573,7 @@ int run(const LaunchOptions& options) {
   SignalScope signals;
   TemporaryDirectory scratch;
   const std::string error_dir = options.error_dir.empty() ? scratch.create() : options.error_dir;
-  {
-    // Workers write their records there, so it must exist before they start.
-    std::error_code ec;
-    std::filesystem::create_directories(error_dir, ec);
-    if (ec) fail("replica launch: cannot create the error file directory '{}': {}", error_dir, ec.message());
-  }
+
   for (int restart = 0;; ++restart) {
     const GroupOutcome outcome = Group(options, master_port, restart, signals, error_dir).run();
     switch (outcome.kind) {

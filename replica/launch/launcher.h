@@ -26,7 +26,8 @@ struct LaunchOptions {
   std::string iface;
   // Where each worker's error file goes (REPLICA_ERROR_FILE = error_dir/rank-R.restart-N.json);
   // empty: a temporary directory removed when run() returns. The trainer passes
-  // project_name/errors so the record stays with the run.
+  // project_name/errors so the record stays with the run; that directory is created by
+  // whoever writes the first record (a run that does not fail leaves none).
   std::string error_dir;
   std::vector<std::string> command;          // program and its arguments
   std::map<std::string, std::string> env;    // extra variables for every worker

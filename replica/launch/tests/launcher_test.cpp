@@ -414,6 +414,7 @@ TEST(FindFreePort, UnresolvableAddressIsAnError) {
 TEST_F(LauncherTest, FailedWorkersLeaveErrorFilesThatTheLauncherReports) {
   LaunchOptions o = shell(
       "if [ \"$REPLICA_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then "
+      "  mkdir -p \"$(dirname \"$REPLICA_ERROR_FILE\")\"; "
       "  printf '{\"message\":\"bad shard 7\",\"rank\":1,\"time\":\"2026-01-01T00:00:00Z\"}' > \"$REPLICA_ERROR_FILE\"; "
       "  exit 4; fi; "
       "if [ \"$RANK\" = 0 ]; then exec sleep 30; fi; "
