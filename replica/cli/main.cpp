@@ -5,6 +5,7 @@
 #include "replica/cli/mds_command.h"
 #include "replica/dist/world.h"
 #include "replica/core/error.h"
+#include "replica/core/system.h"
 #include "replica/io/config.h"
 #include "replica/launch/launcher.h"
 #include "replica/obs/plot.h"
@@ -114,6 +115,7 @@ int run_main(int argc, char** argv) {
                                             "or a random one on one node)");
   bool standalone = false;
   launch->add_flag("--standalone", standalone, "One node on loopback with a free rendezvous port");
+  launch->add_option("--iface", lopts.iface, "Network interface for collectives (sets GLOO_SOCKET_IFNAME)");
   launch->add_option("--threads-per-worker", lopts.threads_per_worker, "Intra-op threads per worker (0: cores / workers)")
       ->capture_default_str();
   launch->prefix_command();
@@ -253,9 +255,11 @@ int main(int argc, char** argv) {
     return run_main(argc, argv);
   } catch (const replica::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
+    replica::write_worker_error_file(e.what());
     return 1;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
+    replica::write_worker_error_file(e.what());
     return 1;
   }
 }

@@ -7,12 +7,17 @@
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
+#include <nlohmann/json.hpp>
 #include <sched.h>
+#include <unistd.h>
 
 #include <climits>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
 
 namespace replica {
 
@@ -75,6 +80,32 @@ std::string signal_name(int signo) {
     case SIGUSR1: return "SIGUSR1";
     case SIGUSR2: return "SIGUSR2";
     default: return "signal " + std::to_string(signo);
+  }
+}
+
+}  // namespace replica
+
+namespace replica {
+
+void write_worker_error_file(const std::string& message) {
+  try {
+    const auto path = env("REPLICA_ERROR_FILE");
+    if (!path || path->empty()) return;
+    const std::time_t now = std::time(nullptr);
+    std::tm utc{};
+    gmtime_r(&now, &utc);
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", &utc);
+    nlohmann::json j = {{"message", message},
+                        {"rank", env_int("RANK").value_or(-1)},
+                        {"pid", static_cast<int64_t>(getpid())},
+                        {"restart", env_int("REPLICA_RESTART_COUNT").value_or(0)},
+                        {"time", stamp}};
+    std::error_code ignored;
+    std::filesystem::create_directories(std::filesystem::path(*path).parent_path(), ignored);
+    std::ofstream(*path) << j.dump() << "\n";
+  } catch (...) {
+    // Reporting must not turn one failure into another.
   }
 }
 

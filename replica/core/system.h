@@ -34,3 +34,13 @@ void keep_freed_memory_in_process();
 std::string signal_name(int signo);
 
 }  // namespace replica
+
+namespace replica {
+
+// The error that ends a worker, as a JSON file at $REPLICA_ERROR_FILE (set per worker by
+// `replica launch`): {"message", "rank", "pid", "restart", "time"}. The launcher reports it
+// when the worker exits non-zero. Does nothing when the variable is unset; never throws
+// (it runs on the way out of a failing process).
+void write_worker_error_file(const std::string& message);
+
+}  // namespace replica

@@ -2,6 +2,7 @@
 #include "replica/dist/c10d_compat.h"
 
 #include "replica/core/error.h"
+#include "replica/dist/collective_monitor.h"
 #include "replica/core/system.h"
 #include "replica/dist/store.h"
 
@@ -60,7 +61,9 @@ ProcessGroup::ProcessGroup(WorldInfo world, std::unique_ptr<Impl> impl)
 
 ProcessGroup::ProcessGroup(WorldInfo world) : world_(std::move(world)) {}
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  if (monitor_) monitor_->stop();  // its thread uses this group's store
+}
 
 namespace {
 
@@ -92,8 +95,9 @@ Work ProcessGroup::backend_allreduce_sum(torch::Tensor& tensor) {
   return Work(std::make_shared<C10dWork>(work, rank(), "all-reduce"));
 }
 
-void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root) {
+void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root, const char* file, int line) {
   if (!impl_ || !impl_->backend) return;
+  const uint64_t seq = monitor_ ? monitor_->begin("broadcast", tensors, file, line) : 0;
   guarded(rank(), "broadcast", [&] {
     for (auto& t : tensors) {
       std::vector<at::Tensor> one{t};
@@ -102,13 +106,16 @@ void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root) {
       impl_->backend->broadcast(one, opts)->wait();
     }
   });
+  if (monitor_) monitor_->end(seq);
 }
 
-void ProcessGroup::allgather(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
+void ProcessGroup::allgather(std::vector<torch::Tensor>& out, const torch::Tensor& in, const char* file,
+                             int line) {
   if (!impl_ || !impl_->backend) {
     out.assign(1, in.clone());
     return;
   }
+  const uint64_t seq = monitor_ ? monitor_->begin("all-gather", {in}, file, line) : 0;
   guarded(rank(), "all-gather", [&] {
     out.clear();
     for (int r = 0; r < size(); ++r) out.push_back(torch::empty_like(in));
@@ -117,11 +124,14 @@ void ProcessGroup::allgather(std::vector<torch::Tensor>& out, const torch::Tenso
     impl_->backend->allgather(outputs, inputs)->wait();
     out = outputs[0];
   });
+  if (monitor_) monitor_->end(seq);
 }
 
-void ProcessGroup::barrier() {
+void ProcessGroup::barrier(const char* file, int line) {
   if (!impl_ || !impl_->backend) return;
+  const uint64_t seq = monitor_ ? monitor_->begin("barrier", {}, file, line) : 0;
   guarded(rank(), "barrier", [&] { impl_->backend->barrier()->wait(); });
+  if (monitor_) monitor_->end(seq);
 }
 
 void ProcessGroup::store_set(const std::string& key, const std::string& value) {
@@ -129,6 +139,11 @@ void ProcessGroup::store_set(const std::string& key, const std::string& value) {
   guarded(rank(), "store set", [&] {
     impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
   });
+}
+
+bool ProcessGroup::store_check(const std::string& key) {
+  if (!impl_ || !impl_->store) return false;
+  return guarded(rank(), "store check", [&] { return impl_->store->check({key}); });
 }
 
 std::string ProcessGroup::store_get(const std::string& key) {

@@ -3,6 +3,7 @@
 
 #include "replica/core/error.h"
 #include "replica/dist/c10d_compat.h"
+#include "replica/dist/collective_monitor.h"
 #include "replica/dist/shm_transport.h"
 #include "replica/core/system.h"
 
@@ -105,9 +106,16 @@ std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
     }
   }
 
+  // The transports' own timeouts come a little after the watchdog's, so that a hang is
+  // reported by the watchdog, which can say which rank is behind.
+  ProcessGroupOptions transport_options = options;
+  if (options.collective_timeout.count() > 0) {
+    transport_options.collective_timeout +=
+        std::max<std::chrono::milliseconds>(std::chrono::seconds(5), options.collective_timeout / 10);
+  }
   std::shared_ptr<ProcessGroup> pg;
   try {
-    pg = detail::make_process_group(store, prefix, world, options);
+    pg = detail::make_process_group(store, prefix, world, transport_options);
   } catch (const replica::Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -132,7 +140,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
     const int nodes = world.world_size / local;
     const std::string job = fmt::format("{}shm/node{}/", prefix, world.node_rank);
     auto local_group = std::make_unique<ShmAllreduce>(world.local_rank, local, store_rendezvous(*pg),
-                                                      options.collective_timeout, job);
+                                                      transport_options.collective_timeout, job);
     std::shared_ptr<ProcessGroup> leaders;
     if (nodes > 1 && world.local_rank == 0) {
       WorldInfo lw = world;
@@ -140,17 +148,46 @@ std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
       lw.world_size = nodes;
       lw.local_rank = 0;
       lw.local_world_size = 1;
-      leaders = detail::make_process_group(store, prefix + "leaders/", lw, options);
+      leaders = detail::make_process_group(store, prefix + "leaders/", lw, transport_options);
     }
     pg->shm_ = std::make_shared<ShmTransport>(std::move(local_group), leaders, nodes > 1);
     pg->use_shm_ = true;
   }
+  ProcessGroup* raw = pg.get();
+  StoreAccess access{[raw](const std::string& k, const std::string& v) { raw->store_set(k, v); },
+                     [raw](const std::string& k) { return raw->store_get(k); },
+                     [raw](const std::string& k) { return raw->store_check(k); }};
+  pg->monitor_ = std::make_shared<CollectiveMonitor>(world.rank, world.world_size, options.collective_timeout,
+                                                     options.desync_check || CollectiveMonitor::desync_from_env(),
+                                                     std::move(access));
   return pg;
 }
 
-Work ProcessGroup::allreduce_sum(torch::Tensor& tensor) {
-  if (use_shm_ && ShmTransport::supports(tensor)) return shm_->submit(tensor);
-  return backend_allreduce_sum(tensor);
+namespace {
+
+// Tells the monitor when an asynchronous all-reduce completes.
+struct MonitoredWork final : Work::Impl {
+  MonitoredWork(Work inner, std::shared_ptr<CollectiveMonitor> monitor, uint64_t seq)
+      : inner(std::move(inner)), monitor(std::move(monitor)), seq(seq) {}
+  // A Work dropped without wait() is no longer anyone's to wait for: stop watching it.
+  ~MonitoredWork() override { monitor->end(seq); }
+  void wait() override {
+    inner.wait();
+    monitor->end(seq);
+  }
+  bool done() const override { return inner.done(); }
+  Work inner;
+  std::shared_ptr<CollectiveMonitor> monitor;
+  uint64_t seq;
+};
+
+}  // namespace
+
+Work ProcessGroup::allreduce_sum(torch::Tensor& tensor, const char* file, int line) {
+  const uint64_t seq = monitor_ ? monitor_->begin("all-reduce", {tensor}, file, line) : 0;
+  Work work = use_shm_ && ShmTransport::supports(tensor) ? shm_->submit(tensor) : backend_allreduce_sum(tensor);
+  if (!monitor_) return work;
+  return Work(std::make_shared<MonitoredWork>(std::move(work), monitor_, seq));
 }
 
 std::string ProcessGroup::transport() const {

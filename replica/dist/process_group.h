@@ -29,6 +29,9 @@ struct ProcessGroupOptions {
   // Empty: env REPLICA_TOKEN; neither set: an empty secret, and rank 0 warns that the
   // rendezvous is then open to any local or remote process that speaks its protocol.
   std::string token;
+  // Desync debug mode: check every collective's kind, shapes, dtypes and order across ranks
+  // (also on with REPLICA_DISTRIBUTED_DEBUG=DETAIL). See collective_monitor.h.
+  bool desync_check = false;
 };
 
 // An asynchronous collective in flight. wait() blocks until it is done and rethrows a
@@ -52,6 +55,7 @@ class Work {
 };
 
 class ShmTransport;
+class CollectiveMonitor;
 
 class ProcessGroup {
  public:
@@ -79,16 +83,20 @@ class ProcessGroup {
   // In-place sum across ranks. Asynchronous: the tensor must not be touched until wait().
   // float32/bfloat16/float16 CPU tensors take the shared-memory transport when it is active
   // (issued in order on its own thread); everything else goes through the backend (Gloo).
-  Work allreduce_sum(torch::Tensor& tensor);
+  // `file`/`line` name the call site in collective timeout and desync reports.
+  Work allreduce_sum(torch::Tensor& tensor, const char* file = __builtin_FILE(), int line = __builtin_LINE());
   // In-place: every rank ends with root's values.
-  void broadcast(std::vector<torch::Tensor>& tensors, int root = 0);
+  void broadcast(std::vector<torch::Tensor>& tensors, int root = 0, const char* file = __builtin_FILE(),
+                 int line = __builtin_LINE());
   // out[r] = rank r's `in` (same shape on every rank).
-  void allgather(std::vector<torch::Tensor>& out, const torch::Tensor& in);
-  void barrier();
+  void allgather(std::vector<torch::Tensor>& out, const torch::Tensor& in, const char* file = __builtin_FILE(),
+                 int line = __builtin_LINE());
+  void barrier(const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
   // Key-value store of the rendezvous (small control messages, e.g. bucket orders).
   void store_set(const std::string& key, const std::string& value);
   std::string store_get(const std::string& key);
+  bool store_check(const std::string& key);
 
  private:
   friend std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo&, const ProcessGroupOptions&);
@@ -98,6 +106,9 @@ class ProcessGroup {
   std::unique_ptr<Impl> impl_;
   std::shared_ptr<ShmTransport> shm_;  // set when every rank of a node shares memory
   bool use_shm_ = false;
+  // Watchdog and desync checks (null for a world of one). Last member: destroyed first, so
+  // its thread stops before the store it uses goes away.
+  std::shared_ptr<CollectiveMonitor> monitor_;
 };
 
 // Rendezvous and build the group. world_size 1 gives a group whose collectives are no-ops

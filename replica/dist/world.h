@@ -33,4 +33,9 @@ struct WorldInfo {
 // (RANK >= WORLD_SIZE, a non-integer) are a replica::Error naming the variable.
 std::optional<WorldInfo> world_from_env();
 
+// The first host of a Slurm hostlist ("node[01-02],gpu7" -> "node01", "10.0.0.[3-4]" ->
+// "10.0.0.3"): under Slurm the master is the first node of the job unless MASTER_ADDR is set.
+// replica::Error naming the list when it is empty or its brackets do not close.
+std::string first_host_of_hostlist(const std::string& hostlist);
+
 }  // namespace replica::dist

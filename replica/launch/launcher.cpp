@@ -17,6 +17,7 @@
 #include "replica/core/system.h"
 
 #include <fcntl.h>
+#include <net/if.h>
 #include <fmt/format.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -30,6 +31,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <cctype>
@@ -38,6 +41,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <optional>
 
@@ -82,6 +88,41 @@ void on_signal(int signo) {
 void log_line(const std::string& line) {
   std::fprintf(stderr, "replica launch: %s\n", line.c_str());
   std::fflush(stderr);
+}
+
+std::string error_file_path(const std::string& dir, int rank, int restart) {
+  return (std::filesystem::path(dir) / fmt::format("rank-{}.restart-{}.json", rank, restart)).string();
+}
+
+// Reports a failed worker's error file; when the worker left none (killed by a signal,
+// crashed, OOM-killed) the launcher writes one for it, so every failure has its record.
+void report_error_file(const std::string& path, const WorkerExit& exit, int restart) {
+  std::ifstream in(path);
+  if (in) {
+    try {
+      const auto j = nlohmann::json::parse(in);
+      log_line(fmt::format("rank {} reported at {}: {} (error file {})", j.value("rank", exit.rank),
+                           j.value("time", std::string("?")), j.value("message", std::string("?")), path));
+      return;
+    } catch (const std::exception&) {
+      // Torn or foreign content: replace it with the launcher's own record below.
+    }
+  }
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char stamp[32];
+  std::strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  const std::string message =
+      exit.signaled ? fmt::format("killed by {} (no error reported: killed, crashed or out of memory)",
+                                  signal_name(exit.code))
+                    : fmt::format("exited with code {} without reporting an error", exit.code);
+  nlohmann::json j = {{"message", message}, {"rank", exit.rank}, {"pid", exit.pid},
+                      {"restart", restart}, {"time", stamp}};
+  std::error_code ignored;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
+  std::ofstream(path) << j.dump() << "\n";
+  log_line(fmt::format("rank {} left no error file; wrote {}", exit.rank, path));
 }
 
 // Installs the handlers for the forwarded signals and SIGCHLD for the duration of run(),
@@ -281,9 +322,10 @@ struct GroupOutcome {
 // launcher is signalled, and reap every one before returning.
 class Group {
  public:
-  Group(const LaunchOptions& options, int master_port, int restart_count, SignalScope& signals)
+  Group(const LaunchOptions& options, int master_port, int restart_count, SignalScope& signals,
+        std::string error_dir)
       : options_(options), master_port_(master_port), restart_count_(restart_count),
-        signals_(signals) {}
+        signals_(signals), error_dir_(std::move(error_dir)) {}
 
   GroupOutcome run() {
     start_all();
@@ -314,6 +356,8 @@ class Group {
     env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_count_);
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options_.max_restarts);
     env["REPLICA_THREADS_PER_WORKER"] = std::to_string(threads);
+    env["REPLICA_ERROR_FILE"] = error_file_path(error_dir_, rank, restart_count_);
+    if (!options_.iface.empty()) env["GLOO_SOCKET_IFNAME"] = options_.iface;
     // A user's explicit OMP_NUM_THREADS wins (torchrun behaves the same way); otherwise
     // workers sharing the cores must not each start one thread per core.
     if (env.find("OMP_NUM_THREADS") == env.end()) env["OMP_NUM_THREADS"] = std::to_string(threads);
@@ -329,7 +373,10 @@ class Group {
       if (stopping_) return;
 
       const int rank = options_.node_rank * options_.nproc_per_node + local_rank;
-      const ExecImage image = make_image(options_.command, worker_environment(base, rank, local_rank));
+      const auto environment = worker_environment(base, rank, local_rank);
+      std::error_code ignored;  // a stale record of an earlier run must not be reported as this one's
+      std::filesystem::remove(environment.at("REPLICA_ERROR_FILE"), ignored);
+      const ExecImage image = make_image(options_.command, environment);
       const SpawnResult spawned = spawn(image, launcher_pid);
       if (spawned.pid > 0) workers_.push_back(Worker{rank, local_rank, spawned.pid, true});
       if (spawned.error == 0) continue;
@@ -406,6 +453,7 @@ class Group {
       // Workers exiting while we stop the group are the consequence, not the cause.
       if (stopping_ || (!exit.signaled && exit.code == 0)) continue;
       log_line(exit.describe());
+      report_error_file(error_file_path(error_dir_, exit.rank, restart_count_), exit, restart_count_);
       outcome_.kind = GroupOutcome::Kind::kWorkerFailed;
       outcome_.failure = exit;
       outcome_.exit_code = exit.signaled ? 128 + exit.code : exit.code;
@@ -449,6 +497,7 @@ class Group {
   const int master_port_;
   const int restart_count_;
   SignalScope& signals_;
+  const std::string error_dir_;
   std::vector<Worker> workers_;
   GroupOutcome outcome_;
   bool stopping_ = false;
@@ -480,9 +529,30 @@ void validate(const LaunchOptions& o) {
   if (o.threads_per_worker < 0) {
     fail("replica launch: threads_per_worker must be >= 0, got {}", o.threads_per_worker);
   }
+  if (!o.iface.empty() && if_nametoindex(o.iface.c_str()) == 0) {
+    fail("replica launch: network interface '{}' (--iface) does not exist on this host (see `ip link`)", o.iface);
+  }
   const int64_t world = int64_t{o.nnodes} * o.nproc_per_node;
   if (world > (int64_t{1} << 24)) fail("replica launch: world size {} is too large", world);
 }
+
+// The error files' directory when the caller named none; removed when run() returns.
+class TemporaryDirectory {
+ public:
+  std::string create() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "replica-launch-XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr) fail("replica launch: cannot create a temporary directory: {}", std::strerror(errno));
+    path_ = tmpl;
+    return path_;
+  }
+  ~TemporaryDirectory() {
+    std::error_code ignored;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ignored);
+  }
+
+ private:
+  std::string path_;
+};
 
 // Clears the single-run flag when run() leaves, however it leaves.
 struct RunGuard {
@@ -506,8 +576,11 @@ int run(const LaunchOptions& requested) {
   // One port for the whole run: every restart rendezvouses at the same address.
   const int master_port = options.master_port != 0 ? options.master_port : find_free_port(options.master_addr);
   SignalScope signals;
+  TemporaryDirectory scratch;
+  const std::string error_dir = options.error_dir.empty() ? scratch.create() : options.error_dir;
+
   for (int restart = 0;; ++restart) {
-    const GroupOutcome outcome = Group(options, master_port, restart, signals).run();
+    const GroupOutcome outcome = Group(options, master_port, restart, signals, error_dir).run();
     switch (outcome.kind) {
       case GroupOutcome::Kind::kSuccess:
         return 0;

@@ -22,6 +22,13 @@ struct LaunchOptions {
   int max_restarts = 0;       // restarts of the whole group after a failure
   double kill_grace_s = 3.0;  // SIGTERM -> SIGKILL delay when stopping workers
   int threads_per_worker = 0; // 0: usable cores / nproc_per_node (at least 1); sets OMP_NUM_THREADS
+  // Network interface for the workers' collectives (GLOO_SOCKET_IFNAME); empty: Gloo's choice.
+  std::string iface;
+  // Where each worker's error file goes (REPLICA_ERROR_FILE = error_dir/rank-R.restart-N.json);
+  // empty: a temporary directory removed when run() returns. The trainer passes
+  // project_name/errors so the record stays with the run; that directory is created by
+  // whoever writes the first record (a run that does not fail leaves none).
+  std::string error_dir;
   std::vector<std::string> command;          // program and its arguments
   std::map<std::string, std::string> env;    // extra variables for every worker
   // The rendezvous secret every worker gets as REPLICA_TOKEN (never logged or written out).
@@ -44,7 +51,9 @@ struct WorkerExit {
 // exited 0; otherwise the failed worker's exit code (128 + signal for a signal), after
 // logging the failure to stderr. Every worker gets RANK, LOCAL_RANK, WORLD_SIZE,
 // LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, REPLICA_RESTART_COUNT,
-// OMP_NUM_THREADS (unless already set by the user), REPLICA_THREADS_PER_WORKER.
+// OMP_NUM_THREADS (unless already set by the user), REPLICA_THREADS_PER_WORKER,
+// REPLICA_ERROR_FILE. A failed worker's error file (written by the worker, or by the
+// launcher when the worker died by a signal) is reported: message, rank and time.
 int run(const LaunchOptions& options);
 
 // "auto" -> usable cores; a positive integer -> itself; otherwise replica::Error.

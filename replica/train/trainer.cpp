@@ -253,6 +253,13 @@ void Workload::save_final(const std::string& final_dir) {
 int run_worker(const io::RunConfig& config) {
   const auto& p = config.params;
   const dist::WorldInfo world = dist::world_from_env().value_or(dist::WorldInfo{});
+  // Started by mpirun or Slurm (no REPLICA_ERROR_FILE from our launcher): a failure is still
+  // recorded in the project, one file per rank.
+  if (!env("REPLICA_ERROR_FILE") && world.is_distributed()) {
+    const auto file = fs::path(config.project_name) / "errors" /
+                      fmt::format("rank-{}.restart-{}.json", world.rank, world.restart_count);
+    setenv("REPLICA_ERROR_FILE", file.c_str(), 1);
+  }
 
   // Threads: cores / workers unless the user said otherwise (PRODUCT.md).
   int threads = p.threads_per_worker;
@@ -331,7 +338,10 @@ int run_worker(const io::RunConfig& config) {
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(rng->second);
     }
-    if (main) spdlog::info("resuming from {} (step {}, epoch {})", dir, state.global_step, state.epoch);
+    if (main) {
+      spdlog::info("resuming from {} (step {}, epoch {}, micro-batch {}; REPLICA_RESTART_COUNT {})", dir,
+                   state.global_step, state.epoch, state.micro_step, world.restart_count);
+    }
   }
 
   Metrics metrics;
@@ -620,6 +630,7 @@ int run(const io::RunConfig& config, const std::vector<std::string>& self_argv) 
   opts.master_port = config.params.master_port;
   opts.max_restarts = config.params.max_restarts;
   opts.threads_per_worker = config.params.threads_per_worker;
+  opts.error_dir = (fs::path(config.project_name) / "errors").string();
   opts.command = self_argv;
   opts.token = config.params.token;
   return launch::run(opts);

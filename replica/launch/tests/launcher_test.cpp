@@ -429,3 +429,51 @@ TEST(FindFreePort, UnresolvableAddressIsAnError) {
 }
 
 }  // namespace
+
+// Every failed worker leaves a record per rank and attempt: its own (REPLICA_ERROR_FILE), or
+// the launcher's when it left none; the launcher prints the message, rank and time.
+TEST_F(LauncherTest, FailedWorkersLeaveErrorFilesThatTheLauncherReports) {
+  LaunchOptions o = shell(
+      "if [ \"$REPLICA_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then "
+      "  mkdir -p \"$(dirname \"$REPLICA_ERROR_FILE\")\"; "
+      "  printf '{\"message\":\"bad shard 7\",\"rank\":1,\"time\":\"2026-01-01T00:00:00Z\"}' > \"$REPLICA_ERROR_FILE\"; "
+      "  exit 4; fi; "
+      "if [ \"$RANK\" = 0 ]; then exec sleep 30; fi; "
+      "kill -9 $$",
+      2);
+  o.max_restarts = 1;
+  o.error_dir = (dir_ / "errors").string();
+  testing::internal::CaptureStderr();
+  const int rc = replica::launch::run(o);
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(rc, 128 + SIGKILL) << log;
+  const fs::path own = dir_ / "errors" / "rank-1.restart-0.json";
+  EXPECT_NE(log.find("rank 1 reported at 2026-01-01T00:00:00Z: bad shard 7 (error file " + own.string() + ")"),
+            std::string::npos)
+      << log;
+  // Second attempt: rank 1 killed itself; the launcher wrote the record.
+  const fs::path written = dir_ / "errors" / "rank-1.restart-1.json";
+  ASSERT_TRUE(fs::exists(written)) << log;
+  const std::string record = read_text(written);
+  EXPECT_NE(record.find("\"rank\":1"), std::string::npos) << record;
+  EXPECT_NE(record.find("killed by SIGKILL"), std::string::npos) << record;
+  EXPECT_NE(record.find("\"restart\":1"), std::string::npos) << record;
+  EXPECT_NE(record.find("\"time\":\"20"), std::string::npos) << record;
+  // Rank 0 was stopped by the launcher, not failed: no record.
+  EXPECT_FALSE(fs::exists(dir_ / "errors" / "rank-0.restart-0.json"));
+}
+
+TEST_F(LauncherTest, IfaceBecomesGlooSocketIfname) {
+  LaunchOptions o = shell("echo \"$GLOO_SOCKET_IFNAME\" > \"$OUT/iface.$RANK\"", 1);
+  o.iface = "lo";
+  EXPECT_EQ(replica::launch::run(o), 0);
+  EXPECT_EQ(read_text(dir_ / "iface.0"), "lo");
+  o.iface = "nosuch0";
+  try {
+    replica::launch::run(o);
+    ADD_FAILURE() << "an unknown interface was accepted";
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("network interface 'nosuch0' (--iface) does not exist"), std::string::npos)
+        << e.what();
+  }
+}
