@@ -54,6 +54,9 @@ std::string env_report(bool json) {
       {"blas", {{"name", blas.name}, {"path", blas.path}}},
       {"backends", {{"gloo", true}, {"nccl", cuda}, {"mpi", false}, {"cuda", cuda}}},
       {"cuda_devices", cuda ? static_cast<int>(torch::cuda::device_count()) : 0},
+      // Training backends (params.distributed_backend); a run's log names the one it used and,
+      // for zero3, the per-worker memory of its model state.
+      {"distributed_backends", {"ddp", "zero3"}},
   };
   nlohmann::json vars = nlohmann::json::object();
   for (const char* v : {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -74,6 +77,7 @@ std::string env_report(bool json) {
   out += fmt::format("BLAS:              {} ({})\n", blas.name, blas.path.empty() ? "not found" : blas.path);
   out += fmt::format("backends:          gloo yes, nccl {}, mpi no, cuda {}\n", cuda ? "yes" : "no",
                      cuda ? fmt::format("yes ({} devices)", j["cuda_devices"].get<int>()) : "no");
+  out += "training backends: ddp (default), zero3 (also spelled deepspeed)\n";
   out += "environment:\n";
   if (vars.empty()) out += "  (no distributed variables set)\n";
   for (auto& [k, v] : vars.items()) out += fmt::format("  {}={}\n", k, v.get<std::string>());

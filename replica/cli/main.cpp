@@ -7,6 +7,7 @@
 #include "replica/io/config.h"
 #include "replica/launch/launcher.h"
 #include "replica/train/trainer.h"
+#include "replica/zero/checkpoint.h"
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -121,6 +122,13 @@ int run_main(int argc, char** argv) {
       ->required()->check(CLI::ExistingDirectory);
   merge->add_option("--out", merge_out, "Output model directory")->required();
 
+  auto* consolidate = app.add_subcommand("consolidate", "Join a ZeRO-3 checkpoint's shards into the full model, "
+                                                       "as DDP saves it");
+  std::string consolidate_dir, consolidate_out;
+  consolidate->add_option("CHECKPOINT_DIR", consolidate_dir, "checkpoint-STEP directory (holding zero/)")
+      ->required()->check(CLI::ExistingDirectory);
+  consolidate->add_option("OUT", consolidate_out, "Output .safetensors file")->required();
+
   auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
   std::string format = "text";
   env_cmd->add_option("--format", format, "text or json")->check(CLI::IsMember({"text", "json"}));
@@ -166,6 +174,11 @@ int run_main(int argc, char** argv) {
   }
   if (*tokenize) return replica::cli::tokenize_command(tokenizer_dir, tokenize_chat, tokenize_template);
   if (*merge) return replica::cli::merge_adapter_command(merge_model, merge_adapter, merge_out);
+  if (*consolidate) {
+    replica::zero::consolidate_to_file(consolidate_dir, consolidate_out);
+    std::cout << consolidate_out << "\n";
+    return 0;
+  }
   if (*env_cmd) {
     std::cout << replica::cli::env_report(format == "json");
     return 0;
