@@ -71,6 +71,13 @@ nlohmann::json params_json(const io::RunConfig& c) {
       {"deterministic", p.deterministic},
       {"hidden_sizes", p.hidden_sizes},
   };
+  if (p.distributed_backend == "zero3") {
+    j["stage3_prefetch_bucket_size"] = p.stage3_prefetch_bucket_size;
+    j["stage3_param_persistence_threshold"] = p.stage3_param_persistence_threshold;
+    j["stage3_max_live_parameters"] = p.stage3_max_live_parameters;
+    j["reduce_bucket_size"] = p.reduce_bucket_size;
+    j["overlap_comm"] = p.overlap_comm;
+  }
   // The LLM keys are kept as normalised text; written typed, as AutoTrain writes them.
   for (const auto& [k, v] : p.extra) {
     if (v == "true" || v == "false") {
@@ -239,7 +246,13 @@ int run_worker(const io::RunConfig& config) {
   std::unique_ptr<ddp::DistributedDataParallel> ddp;
   std::unique_ptr<zero::Zero3> zero;
   if (p.distributed_backend == "zero3") {
-    zero = std::make_unique<zero::Zero3>(model, pg);
+    zero::Zero3Options zopt;
+    zopt.stage3_prefetch_bucket_size = p.stage3_prefetch_bucket_size;
+    zopt.stage3_param_persistence_threshold = p.stage3_param_persistence_threshold;
+    zopt.stage3_max_live_parameters = p.stage3_max_live_parameters;
+    zopt.reduce_bucket_size = p.reduce_bucket_size;
+    zopt.overlap_comm = p.overlap_comm;
+    zero = std::make_unique<zero::Zero3>(model, pg, zopt);
   } else {
     ddp = std::make_unique<ddp::DistributedDataParallel>(model, pg);
   }
@@ -512,21 +525,36 @@ int run_worker(const io::RunConfig& config) {
     const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
     spdlog::info("done: {} steps in {:.1f} s; model in {}/final", state.global_step, seconds, config.project_name);
   }
+  // Per-worker memory of the model state (parameters, gradients, optimizer state).
+  int64_t optimizer_bytes = 0;
+  for (const auto& [name, t] : optimizer_state(*optimizer, p.optimizer, params, names)) {
+    optimizer_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  constexpr double MiB = 1024.0 * 1024.0;
+  if (ddp) {
+    int64_t param_bytes = 0, grad_bytes = 0;
+    for (auto& t : model->parameters()) {
+      param_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+      if (t.requires_grad()) grad_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+    }
+    spdlog::info("rank {}: backend ddp, per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
+                 "{:.1f} MiB optimizer = {:.1f} MiB; peak RSS {:.1f} MiB",
+                 pg->rank(), param_bytes / MiB, grad_bytes / MiB, optimizer_bytes / MiB,
+                 (param_bytes + grad_bytes + optimizer_bytes) / MiB, usage.ru_maxrss / 1024.0);
+  }
   if (zero) {
     zero->release_all();
     const zero::MemoryStats m = zero->memory();
-    int64_t optimizer_bytes = 0;
-    for (const auto& [name, t] : optimizer_state(*optimizer, p.optimizer, params, names)) {
-      optimizer_bytes += t.numel() * static_cast<int64_t>(t.element_size());
-    }
-    struct rusage usage {};
-    getrusage(RUSAGE_SELF, &usage);
-    constexpr double MiB = 1024.0 * 1024.0;
+    const int64_t total = m.master_bytes + m.master_grad_bytes + optimizer_bytes + m.peak_gathered_bytes +
+                          m.peak_transient_grad_bytes;
     spdlog::info("rank {}: backend zero3, per-worker model state: {:.1f} MiB master shards + {:.1f} MiB gradient "
                  "shards + {:.1f} MiB optimizer shards + peak {:.1f} MiB gathered parameters + peak {:.1f} MiB "
-                 "transient gradients; peak RSS {:.1f} MiB",
+                 "transient gradients = {:.1f} MiB at most; peak RSS {:.1f} MiB",
                  pg->rank(), m.master_bytes / MiB, m.master_grad_bytes / MiB, optimizer_bytes / MiB,
-                 m.peak_gathered_bytes / MiB, m.peak_transient_grad_bytes / MiB, usage.ru_maxrss / 1024.0);
+                 m.peak_gathered_bytes / MiB, m.peak_transient_grad_bytes / MiB, total / MiB,
+                 usage.ru_maxrss / 1024.0);
   }
   pg->barrier();
   return 0;

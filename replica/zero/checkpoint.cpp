@@ -125,7 +125,8 @@ ShardSlice load_shards(const std::string& zero_dir, int rank, int world) {
     const std::string group = group_of(name);
     const int64_t old_shard = s.shard_of.at(group), numel = s.numel_of.at(group);
     torch::Tensor slice;
-    if (t.numel() == old_shard) {
+    // Per-element state is a 1-D float shard; AdamW's step is a 0-dim integer.
+    if (t.dim() == 1 && t.is_floating_point() && t.numel() == old_shard) {
       const int64_t shard = (numel + world - 1) / world;
       torch::Tensor flat = torch::zeros({shard * world}, t.options());
       flat.narrow(0, 0, numel).copy_(joined(s, name, numel));
