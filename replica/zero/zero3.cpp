@@ -149,6 +149,13 @@ Zero3::Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<dist::Pro
     if (g.info.trainable) stats_.master_grad_bytes += g.info.shard * 4;
     if (!g.info.persistent) release(g);
   }
+  // Elements gathered between a layer's forward and its backward: the later layers' groups.
+  reuse_distance_.assign(layers_.size(), 0);
+  for (size_t i = layers_.size(); i-- > 1;) {
+    int64_t n = 0;
+    for (size_t k : layer_groups_[i]) n += groups_[k]->info.persistent ? 0 : groups_[k]->info.shard * world;
+    reuse_distance_[i - 1] = reuse_distance_[i] + n;
+  }
   // Buffers (BatchNorm statistics) are not sharded: rank 0's, as DDP starts.
   std::vector<torch::Tensor> buffers;
   for (auto& b : model_->buffers()) buffers.push_back(b);
@@ -185,7 +192,8 @@ Zero3::~Zero3() {
 
 void Zero3::note_gathered(int64_t delta) {
   gathered_bytes_ += delta;
-  stats_.peak_gathered_bytes = std::max(stats_.peak_gathered_bytes, gathered_bytes_);
+  // Training's peak: gather_all (evaluation, the final save) holds the whole model on purpose.
+  if (!hold_all_) stats_.peak_gathered_bytes = std::max(stats_.peak_gathered_bytes, gathered_bytes_);
 }
 
 // Launches the gather of `g` (asynchronous when the transport allows); finish with wait.
@@ -245,10 +253,19 @@ torch::Tensor Zero3::after(torch::nn::Module& layer, torch::Tensor output) {
   auto it = layer_index_.find(&layer);
   if (it == layer_index_.end()) return output;
   const size_t index = it->second;
-  if (!hold_all_) {
+  const bool backward_follows = torch::GradMode::is_enabled() && output.requires_grad();
+  bool keep = hold_all_;
+  if (!keep && backward_follows &&
+      static_cast<double>(reuse_distance_[index]) <= options_.stage3_max_reuse_distance) {
+    // Kept for its backward when the parameters gathered meanwhile stay within the live limit.
+    int64_t live = 0;
+    for (auto& g : groups_) live += g->gathered ? g->info.shard * pg_->size() : 0;
+    keep = static_cast<double>(live + reuse_distance_[index]) <= options_.stage3_max_live_parameters;
+  }
+  if (!keep) {
     for (size_t k : layer_groups_[index]) release(*groups_[k]);
   }
-  if (!torch::GradMode::is_enabled() || !output.requires_grad()) return output;
+  if (!backward_follows) return output;
   return PreBackward::apply(output, reinterpret_cast<int64_t>(this), static_cast<int64_t>(index));
 }
 

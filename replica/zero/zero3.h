@@ -13,7 +13,8 @@
 // - Gather on demand. Before a layer's forward its groups are all-gathered into the flat
 //   buffer (the parameters are views into it) and freed right after (the buffer's storage is
 //   resized to zero bytes, so autograd's saved references stay valid). An autograd node on
-//   the layer's output gathers them again when the backward reaches the layer. With
+//   the layer's output gathers them again when the backward reaches the layer (unless the
+//   layer is kept gathered for that reuse: stage3_max_reuse_distance). With
 //   overlap_comm the next layer's groups are gathered on a helper thread while the current
 //   layer computes (stage3_prefetch_bucket_size bounds the elements prefetched,
 //   stage3_max_live_parameters the elements gathered at once).
@@ -66,6 +67,10 @@ struct Zero3Options {
   double stage3_prefetch_bucket_size = 5e7;        // elements gathered ahead of use
   double stage3_param_persistence_threshold = 1e5;  // groups smaller stay gathered
   double stage3_max_live_parameters = 1e9;          // elements gathered at once (prefetch stops)
+  // A layer whose backward comes within this many gathered elements of its forward (the
+  // layers after it) stays gathered from its forward to its backward, within
+  // stage3_max_live_parameters. Engine option only (not a params key yet).
+  double stage3_max_reuse_distance = 1e9;
   double reduce_bucket_size = 5e8;                  // accepted; every group is reduced whole
   bool overlap_comm = true;                         // prefetch the next layer's gather
 };
@@ -152,6 +157,7 @@ class Zero3 : private models::LayerHooks {
   std::vector<torch::nn::Module*> layers_;             // hooked layers, forward order
   std::map<const torch::nn::Module*, size_t> layer_index_;
   std::vector<std::vector<size_t>> layer_groups_;      // groups each layer uses
+  std::vector<int64_t> reuse_distance_;                // elements of the later layers' groups
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::mutex mutex_;
   bool hold_all_ = false;

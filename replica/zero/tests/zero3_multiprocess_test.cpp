@@ -210,6 +210,7 @@ void expect_close(double diff, const std::string& what, int rank) {
 Zero3Options sharded_everything() {
   Zero3Options o;
   o.stage3_param_persistence_threshold = 0;  // gather and free every layer, however small
+  o.stage3_max_reuse_distance = 0;           // and gather it again for its backward
   return o;
 }
 
@@ -219,6 +220,11 @@ int mlp_equals_ddp() {
   // SGD with momentum, gradient accumulation over 2 micro-batches and global-norm clipping.
   expect_close(train_both(mlp_setup(), pg, "sgd", 20, 2, 0.5, sharded_everything()), "mlp sgd+accum+clip",
                pg->rank());
+  // Every layer sharded but kept gathered from its forward to its backward (DeepSpeed's
+  // default reuse distance).
+  Zero3Options kept;
+  kept.stage3_param_persistence_threshold = 0;
+  expect_close(train_both(mlp_setup(), pg, "adamw", 20, 2, 1.0, kept), "mlp kept for backward", pg->rank());
   // Defaults: the small layers are persistent (never freed); no prefetch.
   Zero3Options persistent;
   persistent.overlap_comm = false;
