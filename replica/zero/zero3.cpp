@@ -193,7 +193,7 @@ Zero3::~Zero3() {
 void Zero3::note_gathered(int64_t delta) {
   gathered_bytes_ += delta;
   // Training's peak: gather_all (evaluation, the final save) holds the whole model on purpose.
-  if (!hold_all_) stats_.peak_gathered_bytes = std::max(stats_.peak_gathered_bytes, gathered_bytes_);
+  if (delta > 0 && !hold_all_) stats_.peak_gathered_bytes = std::max(stats_.peak_gathered_bytes, gathered_bytes_);
 }
 
 // Launches the gather of `g` (asynchronous when the transport allows); finish with wait.
