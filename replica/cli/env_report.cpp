@@ -195,6 +195,9 @@ std::string env_report(bool json) {
       {"network_interfaces", network_interfaces()},
       {"environment", vars},
       {"warnings", warnings},
+      // Training backends (params.distributed_backend); a run's log names the one it used and
+      // the per-worker memory of its model state.
+      {"distributed_backends", {"ddp", "zero3"}},
   };
   if (json) return j.dump(2) + "\n";
 
@@ -219,6 +222,7 @@ std::string env_report(bool json) {
     out += fmt::format("  {:<5} {:<4} {}\n", b, backends[b]["available"].get<bool>() ? "yes" : "no",
                        backends[b]["detail"].get<std::string>());
   }
+  out += "training backends:   ddp (default), zero3 (also spelled deepspeed)\n";
   out += fmt::format("GPUs:                {} (CUDA {}; CUDA_VISIBLE_DEVICES={})\n", gpus["device_count"].get<int>(),
                      cuda ? "available" : "not available", gpus["CUDA_VISIBLE_DEVICES"].get<std::string>());
   out += "network interfaces:\n";

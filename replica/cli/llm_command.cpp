@@ -126,11 +126,10 @@ Training (AutoTrain's LLMTrainingParams names and defaults):
   --max-grad-norm [1]  --seed [42]  --logging-steps [10]  --save-total-limit [1]
   --checkpoint-every [500]  --log [jsonl] (none | jsonl | tensorboard)  --overwrite
 Workers:
-  --nproc-per-node [auto]  --distributed-backend [ddp]  --master-addr  --master-port
+  --nproc-per-node [auto]  --distributed-backend [ddp] (ddp | zero3 | deepspeed)  --master-addr  --master-port
   --threads-per-worker [0 = cores / workers]  --max-restarts [0]
 Every params: key of the llm-sft YAML is a flag; --x-y and --x_y are the same flag.
---quantization int4/int8 (bitsandbytes, CUDA) and --distributed-backend zero3/deepspeed are
-not available.
+--quantization int4/int8 (bitsandbytes, CUDA) is not available.
 )";
 
 }  // namespace

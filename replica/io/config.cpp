@@ -262,6 +262,11 @@ const std::vector<ParamField>& param_fields() {
     f.push_back(plain("collective_timeout", &Params::collective_timeout));
     f.push_back(plain("max_restarts", &Params::max_restarts));
     f.push_back(plain("deterministic", &Params::deterministic));
+    f.push_back(plain("stage3_prefetch_bucket_size", &Params::stage3_prefetch_bucket_size));
+    f.push_back(plain("stage3_param_persistence_threshold", &Params::stage3_param_persistence_threshold));
+    f.push_back(plain("stage3_max_live_parameters", &Params::stage3_max_live_parameters));
+    f.push_back(plain("reduce_bucket_size", &Params::reduce_bucket_size));
+    f.push_back(plain("overlap_comm", &Params::overlap_comm));
     f.push_back({"token",
                  [](Params& p, const YAML::Node& n, const std::string& key, const Context& ctx) {
                    p.token = read_string(n, key, ctx);
@@ -545,6 +550,12 @@ void check_config(const RunConfig& c, const Context& ctx) {
   }
   check_positive(ctx, "params.rdzv_timeout", p.rdzv_timeout);
   check_positive(ctx, "params.collective_timeout", p.collective_timeout);
+  for (const auto& [key, value] : {std::pair<const char*, double>{"params.stage3_prefetch_bucket_size", p.stage3_prefetch_bucket_size},
+                                   {"params.stage3_param_persistence_threshold", p.stage3_param_persistence_threshold},
+                                   {"params.stage3_max_live_parameters", p.stage3_max_live_parameters},
+                                   {"params.reduce_bucket_size", p.reduce_bucket_size}}) {
+    check_at_least(ctx, key, value, 0.0);
+  }
   check_at_least(ctx, "params.max_restarts", p.max_restarts, 0);
   check_at_least(ctx, "params.epochs", p.epochs, 1);
   if (p.max_steps != -1 && p.max_steps < 1) {
@@ -708,7 +719,9 @@ bool operator==(const DataConfig& a, const DataConfig& b) {
 bool operator==(const Params& a, const Params& b) {
   auto fields = [](const Params& p) {
     return std::tie(p.distributed_backend, p.nproc_per_node, p.master_addr, p.master_port, p.rdzv_timeout,
-                    p.collective_timeout, p.max_restarts, p.deterministic, p.token, p.epochs, p.max_steps,
+                    p.collective_timeout, p.max_restarts, p.deterministic, p.stage3_prefetch_bucket_size,
+                    p.stage3_param_persistence_threshold, p.stage3_max_live_parameters, p.reduce_bucket_size,
+                    p.overlap_comm, p.token, p.epochs, p.max_steps,
                     p.batch_size, p.gradient_accumulation, p.mixed_precision, p.optimizer, p.lr, p.momentum,
                     p.weight_decay, p.warmup_steps, p.warmup_ratio, p.scheduler, p.max_grad_norm, p.shuffle,
                     p.seed, p.eval_every, p.checkpoint_every, p.save_total_limit, p.threads_per_worker,

@@ -33,6 +33,12 @@ struct Params {
   int max_restarts = 0;
   bool deterministic = false;
   std::string token;                        // never written back out
+  // ZeRO-3 (distributed_backend zero3): DeepSpeed's zero_optimization names and defaults.
+  double stage3_prefetch_bucket_size = 5e7;         // elements gathered ahead of use
+  double stage3_param_persistence_threshold = 1e5;  // smaller layers stay gathered
+  double stage3_max_live_parameters = 1e9;          // elements gathered at once
+  double reduce_bucket_size = 5e8;                  // accepted (each layer is reduced whole)
+  bool overlap_comm = true;                         // prefetch the next layer's gather
 
   // Training loop.
   int epochs = 1;

@@ -535,7 +535,7 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
                                       const torch::Tensor& segment_ids) {
   const int64_t B = input_ids.size(0), T = input_ids.size(1);
   const auto device = input_ids.device();
-  auto h = embed_tokens(input_ids);  // [B, T, H] in the parameter dtype
+  auto h = run_layer(*embed_tokens, [&] { return embed_tokens(input_ids); });  // [B, T, H], parameter dtype
 
   // Which key positions each query position may attend to: causal (j <= i) and, when
   // packing, only within its own segment: [B or 1, 1, T, T] of bool.
@@ -558,8 +558,17 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
   if (!positions.defined()) positions = idx.unsqueeze(0).expand({B, T});
 
   auto [cos, sin] = rotary_.forward(positions, h.scalar_type());
-  for (const auto& layer : *layers) h = layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, allowed);
-  return norm(h);
+  for (const auto& layer : *layers) {
+    h = run_layer(*layer, [&] { return layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, allowed); });
+  }
+  return run_layer(*norm, [&] { return norm(h); });
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> LlamaModelImpl::hooked_layers() {
+  std::vector<std::shared_ptr<torch::nn::Module>> out{embed_tokens.ptr()};
+  for (const auto& layer : *layers) out.push_back(layer);
+  out.push_back(norm.ptr());
+  return out;
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init)
@@ -602,8 +611,21 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, cons
   auto ids = input_ids.to(torch::kInt64);
   auto h = model(ids, position_ids.defined() ? position_ids.to(torch::kInt64) : position_ids, segment_ids);
   // The output head: hidden -> vocabulary logits (tied: the embedding matrix itself).
-  if (lm_head.is_empty()) return torch::linear(h, model->embed_tokens->weight);
-  return lm_head(h);
+  if (lm_head.is_empty()) {
+    return run_layer(*model->embed_tokens, [&] { return torch::linear(h, model->embed_tokens->weight); });
+  }
+  return run_layer(*lm_head, [&] { return lm_head(h); });
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> LlamaForCausalLMImpl::hooked_layers() {
+  auto out = model->hooked_layers();
+  if (!lm_head.is_empty()) out.push_back(lm_head.ptr());
+  return out;
+}
+
+void LlamaForCausalLMImpl::set_layer_hooks(LayerHooks* hooks) {
+  HookedLayers::set_layer_hooks(hooks);
+  model->set_layer_hooks(hooks);
 }
 
 // ---------------------------------------------------------------------------------------

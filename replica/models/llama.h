@@ -23,6 +23,7 @@
 // fp32 then cast back, cross-entropy in fp32.
 #pragma once
 
+#include "replica/models/layer_hooks.h"
 #include "replica/models/lora.h"
 
 #include <torch/nn/module.h>
@@ -172,12 +173,14 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
 TORCH_MODULE(LlamaDecoderLayer);
 
 // The decoder stack ("model." in HF names): embeddings, layers, final norm.
-class LlamaModelImpl : public torch::nn::Module {
+class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
  public:
   LlamaModelImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init);
   // Returns the final hidden states [B, T, H] (after model.norm).
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
                         const torch::Tensor& segment_ids);
+  // embed_tokens, each decoder layer, norm.
+  std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;
   Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
@@ -188,7 +191,7 @@ class LlamaModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaModel);
 
-class LlamaForCausalLMImpl : public torch::nn::Module {
+class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
  public:
   // Parameters in `dtype`; init = HF's _init_weights (normal(0, initializer_range) for linear
   // and embedding weights, zero biases, ones for norms; the pad row of the embedding zeroed),
@@ -204,6 +207,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // Returns logits [B, T, V] in the compute dtype.
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids = {},
                         const torch::Tensor& segment_ids = {});
+
+  // The decoder's layers, then lm_head (untied); the tied head reuses embed_tokens.
+  std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;
+  void set_layer_hooks(LayerHooks* hooks) override;
 
   const LlamaConfig& config() const { return config_; }
   // The dtype the weights had in the checkpoint they were loaded from (save writes this).

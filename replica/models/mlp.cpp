@@ -36,7 +36,18 @@ torch::Tensor MLPImpl::forward(torch::Tensor x) {
     fail("MLP: input of shape {} has {} features per sample, expected {}", c10::str(x.sizes()),
          flat.size(1), in_features_);
   }
-  return layers_->forward(flat);
+  if (!layer_hooks()) return layers_->forward(flat);
+  torch::Tensor h = flat;
+  for (auto& layer : *layers_) h = run_layer(*layer.ptr(), [&] { return layer.forward(h); });
+  return h;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> MLPImpl::hooked_layers() {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (auto& layer : *layers_) {
+    if (!layer.ptr()->parameters(/*recurse=*/true).empty()) out.push_back(layer.ptr());
+  }
+  return out;
 }
 
 }  // namespace replica::models

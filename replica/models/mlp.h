@@ -10,6 +10,8 @@
 // Bad sizes, or an input whose features do not match in_features, are replica::Error.
 #pragma once
 
+#include "replica/models/layer_hooks.h"
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
@@ -19,11 +21,13 @@
 
 namespace replica::models {
 
-class MLPImpl : public torch::nn::Module {
+class MLPImpl : public torch::nn::Module, public HookedLayers {
  public:
   MLPImpl(int64_t in_features, std::vector<int64_t> hidden_sizes, int64_t out_features);
   // x: [B, ...] flattened to [B, in_features]; returns logits [B, out_features].
   torch::Tensor forward(torch::Tensor x);
+  // The Linear layers (ZeRO-3 gathers each one's parameters around its forward).
+  std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;
 
  private:
   torch::nn::Sequential layers_{nullptr};

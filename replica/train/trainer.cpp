@@ -16,6 +16,8 @@
 #include "replica/train/optim.h"
 #include "replica/train/schedule.h"
 #include "replica/train/workload.h"
+#include "replica/zero/checkpoint.h"
+#include "replica/zero/zero3.h"
 
 #include <ATen/autocast_mode.h>
 #include <nlohmann/json.hpp>
@@ -26,7 +28,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
+#include <sys/resource.h>
 
 namespace fs = std::filesystem;
 
@@ -80,6 +84,13 @@ nlohmann::json params_json(const io::RunConfig& c) {
       {"temperature", p.temperature},
       {"top_k", p.top_k},
   };
+  if (p.distributed_backend == "zero3") {
+    j["stage3_prefetch_bucket_size"] = p.stage3_prefetch_bucket_size;
+    j["stage3_param_persistence_threshold"] = p.stage3_param_persistence_threshold;
+    j["stage3_max_live_parameters"] = p.stage3_max_live_parameters;
+    j["reduce_bucket_size"] = p.reduce_bucket_size;
+    j["overlap_comm"] = p.overlap_comm;
+  }
   // The LLM keys are kept as normalised text; written typed, as AutoTrain writes them.
   for (const auto& [k, v] : p.extra) {
     if (v == "true" || v == "false") {
@@ -292,21 +303,35 @@ int run_worker(const io::RunConfig& config) {
     spdlog::info("replica: task {} on {} worker{} ({} thread{} each), backend {}", config.task, pg->size(),
                  pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s", p.distributed_backend);
   }
-  if (p.distributed_backend != "ddp") {
-    fail("distributed_backend '{}' is not available in this build yet (ddp)", p.distributed_backend);
-  }
 
   torch::manual_seed(static_cast<uint64_t>(p.seed));
   auto workload = make_workload(config, pg);
   auto model = workload->model();
-  ddp::DistributedDataParallel ddp(model, pg);
+  // ZeRO-3 (replica/zero) shards the model; the optimizer then steps this worker's shards.
+  std::unique_ptr<ddp::DistributedDataParallel> ddp;
+  std::unique_ptr<zero::Zero3> zero;
+  if (p.distributed_backend == "zero3") {
+    zero::Zero3Options zopt;
+    zopt.stage3_prefetch_bucket_size = p.stage3_prefetch_bucket_size;
+    zopt.stage3_param_persistence_threshold = p.stage3_param_persistence_threshold;
+    zopt.stage3_max_live_parameters = p.stage3_max_live_parameters;
+    zopt.reduce_bucket_size = p.reduce_bucket_size;
+    zopt.overlap_comm = p.overlap_comm;
+    zero = std::make_unique<zero::Zero3>(model, pg, zopt);
+  } else {
+    ddp = std::make_unique<ddp::DistributedDataParallel>(model, pg);
+  }
 
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
   for (auto& item : model->named_parameters()) {
-    if (!item.value().requires_grad()) continue;
+    if (zero || !item.value().requires_grad()) continue;
     params.push_back(item.value());
     names.push_back(item.key());
+  }
+  if (zero) {
+    params = zero->shard_parameters();
+    names = zero->shard_names();
   }
   OptimizerSpec spec{p.optimizer, p.lr, p.momentum, p.weight_decay};
   auto optimizer = make_optimizer(spec, params);
@@ -320,8 +345,25 @@ int run_worker(const io::RunConfig& config) {
   if (start >= 0) {
     const std::string dir = (project / fmt::format("checkpoint-{}", start)).string();
     Checkpoint ckpt = load_checkpoint(dir);
-    workload->load_state_tensors(ckpt.model, dir + "/" + workload->checkpoint_model_file());
-    load_optimizer_state(*optimizer, p.optimizer, params, names, ckpt.optimizer);
+    const bool sharded = fs::exists(fs::path(dir) / "zero" / "metadata.json");
+    if (sharded != static_cast<bool>(zero)) {
+      fail("{} was written with distributed_backend {}; resume with the same backend (or `replica consolidate` "
+           "it into a full model)",
+           dir, sharded ? "zero3" : "ddp");
+    }
+    if (zero) {
+      // Re-sharded when the checkpoint was written by another number of workers.
+      auto slice = zero::load_shards((fs::path(dir) / "zero").string(), pg->rank(), pg->size());
+      zero->load_shards(slice.masters, dir + "/zero");
+      load_optimizer_state(*optimizer, p.optimizer, params, names, slice.optimizer);
+      torch::NoGradGuard no_grad;
+      for (auto& [name, t] : slice.buffers) {
+        if (auto* b = model->named_buffers().find(name)) b->copy_(t);
+      }
+    } else {
+      workload->load_state_tensors(ckpt.model, dir + "/" + workload->checkpoint_model_file());
+      load_optimizer_state(*optimizer, p.optimizer, params, names, ckpt.optimizer);
+    }
     state = ckpt.state;
     state.batch_size = p.batch_size;
     const int64_t saved_batch = ckpt.state.batch_size > 0 ? ckpt.state.batch_size : p.batch_size;
@@ -385,7 +427,11 @@ int run_worker(const io::RunConfig& config) {
     std::vector<int64_t> mine;
     for (int64_t i = pg->rank(); i < workload->valid_size(); i += pg->size()) mine.push_back(i);
     model->eval();
+    // ZeRO-3: workers may run different numbers of forwards here, so nothing may be gathered
+    // per layer: the whole model is gathered for the evaluation.
+    if (zero) zero->gather_all();
     EvalSums s = workload->evaluate(mine);
+    if (zero) zero->release_all();
     model->train();
     std::vector<double> sums = {s.loss_sum, s.correct, s.count, s.tokens};
     for (const auto& [name, value] : s.extra) sums.push_back(value);
@@ -411,16 +457,30 @@ int run_worker(const io::RunConfig& config) {
     }
   };
   auto checkpoint = [&]() {
+    // ZeRO-3: every worker writes its shard; rank 0 moves them into the checkpoint it writes.
+    const fs::path staged = project / fmt::format(".zero-{}", state.global_step);
+    if (zero) {
+      zero::save_shards(staged.string(), *zero, optimizer_state(*optimizer, p.optimizer, params, names));
+      pg->barrier();
+    }
     if (!main) return;
     Checkpoint c;
     c.state = state;
     if (c.state.log_history.size() > 20) {
       c.state.log_history.erase(c.state.log_history.begin(), c.state.log_history.end() - 20);
     }
-    c.model = workload->state_tensors();
+    if (!zero) c.model = workload->state_tensors();
     c.model_file = workload->checkpoint_model_file();
     c.extras = [&](const std::string& dir) { workload->write_checkpoint_extras(dir); };
     c.optimizer = optimizer_state(*optimizer, p.optimizer, params, names);
+    if (zero) {
+      c.model.clear();
+      c.optimizer.clear();
+      c.extras = [&](const std::string& dir) {
+        workload->write_checkpoint_extras(dir);
+        fs::rename(staged, fs::path(dir) / "zero");
+      };
+    }
     c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
     save_checkpoint(config.project_name, c, p.save_total_limit);
   };
@@ -494,18 +554,18 @@ int run_worker(const io::RunConfig& config) {
           split.forward += since(forward_start);
         }
         const auto backward_start = Clock::now();
-        const double comm_wait_before = ddp.comm_wait_seconds();
+        const double comm_wait_before = ddp ? ddp->comm_wait_seconds() : 0.0;
         {
           obs::Span backward_span("backward", "compute");
-          if (k + 1 < group) {
-            auto no_sync = ddp.no_sync();
+          if (k + 1 < group && ddp) {
+            auto no_sync = ddp->no_sync();
             loss.backward();
           } else {
             loss.backward();
           }
         }
         split.backward += since(backward_start);
-        split.comm_wait += ddp.comm_wait_seconds() - comm_wait_before;
+        if (ddp) split.comm_wait += ddp->comm_wait_seconds() - comm_wait_before;
         step_loss += loss.item<double>();
         window_samples += static_cast<int64_t>(indices.size());
         window_tokens += workload->tokens_in(indices);
@@ -513,13 +573,21 @@ int run_worker(const io::RunConfig& config) {
       const auto optimizer_start = Clock::now();
       {
         obs::Span optimizer_span("optimizer step", "compute");
-        if (p.max_grad_norm > 0) {
+        const bool log_step = (state.global_step + 1) % std::max<int64_t>(1, p.logging_steps) == 0 ||
+                              state.global_step + 1 == total_steps;
+        if (zero) {
+          // The global norm over every worker's shard; clipping only when asked.
+          if (p.max_grad_norm > 0 || log_step) {
+            grad_norm = zero->clip_grad_norm(p.max_grad_norm > 0 ? p.max_grad_norm
+                                                                 : std::numeric_limits<double>::infinity());
+          }
+        } else if (p.max_grad_norm > 0) {
           grad_norm = torch::nn::utils::clip_grad_norm_(params, p.max_grad_norm);
-        } else if ((state.global_step + 1) % std::max<int64_t>(1, p.logging_steps) == 0 ||
-                   state.global_step + 1 == total_steps) {
+        } else if (log_step) {
           grad_norm = global_grad_norm(params);  // logged even when clipping is off
         }
         optimizer->step();
+        if (zero) zero->after_step();
       }
       split.optimizer += since(optimizer_start);
       state.micro_step += group;
@@ -598,6 +666,7 @@ int run_worker(const io::RunConfig& config) {
   }
 
   if (p.checkpoint_every > 0 && last_checkpoint != state.global_step) checkpoint();
+  if (zero) zero->gather_all();  // final/ is always the full (consolidated) model
   if (main) {
     progress->finish();
     workload->save_final((project / "final").string());
@@ -613,6 +682,37 @@ int run_worker(const io::RunConfig& config) {
     }
   }
   if (timeline_file) write_timeline(*pg, *timeline_file);
+  // Per-worker memory of the model state (parameters, gradients, optimizer state).
+  int64_t optimizer_bytes = 0;
+  for (const auto& [name, t] : optimizer_state(*optimizer, p.optimizer, params, names)) {
+    optimizer_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  constexpr double MiB = 1024.0 * 1024.0;
+  if (ddp) {
+    int64_t param_bytes = 0, grad_bytes = 0;
+    for (auto& t : model->parameters()) {
+      param_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+      if (t.requires_grad()) grad_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+    }
+    spdlog::info("rank {}: backend ddp, per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
+                 "{:.1f} MiB optimizer = {:.1f} MiB; peak RSS {:.1f} MiB",
+                 pg->rank(), param_bytes / MiB, grad_bytes / MiB, optimizer_bytes / MiB,
+                 (param_bytes + grad_bytes + optimizer_bytes) / MiB, usage.ru_maxrss / 1024.0);
+  }
+  if (zero) {
+    zero->release_all();
+    const zero::MemoryStats m = zero->memory();
+    const int64_t total = m.master_bytes + m.master_grad_bytes + optimizer_bytes + m.peak_gathered_bytes +
+                          m.peak_transient_grad_bytes;
+    spdlog::info("rank {}: backend zero3, per-worker model state: {:.1f} MiB master shards + {:.1f} MiB gradient "
+                 "shards + {:.1f} MiB optimizer shards + peak {:.1f} MiB gathered parameters + peak {:.1f} MiB "
+                 "transient gradients = {:.1f} MiB at most; peak RSS {:.1f} MiB",
+                 pg->rank(), m.master_bytes / MiB, m.master_grad_bytes / MiB, optimizer_bytes / MiB,
+                 m.peak_gathered_bytes / MiB, m.peak_transient_grad_bytes / MiB, total / MiB,
+                 usage.ru_maxrss / 1024.0);
+  }
   pg->barrier();
   return 0;
 }

@@ -17,11 +17,6 @@ std::unique_ptr<Workload> make_workload(const io::RunConfig& config, std::shared
 }
 
 void check_workload_config(const io::RunConfig& config) {
-  if (config.params.distributed_backend == "zero3") {
-    fail("distributed_backend '{}' (ZeRO-3) is not available yet; replica trains with DDP for now "
-         "(distributed_backend: ddp, or leave it null)",
-         config.params.distributed_backend);
-  }
   if (config.task == "llm-sft") check_llm_sft_config(config);
   if (config.task == "two-tower") check_two_tower_config(config);
 }
