@@ -3,6 +3,7 @@
 #include "replica/core/error.h"
 #include "replica/dist/process_group.h"
 #include "replica/dist/world.h"
+#include "replica/dist/tests/free_port.h"
 
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -20,17 +21,7 @@ using replica::dist::WorldInfo;
 
 namespace {
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+using replica::testing::free_port;
 
 WorldInfo world(int rank, int size, int port) {
   WorldInfo w;

@@ -7,6 +7,7 @@
 #include "replica/dist/store.h"
 #include "replica/dist/world.h"
 #include "replica/train/tests/program_runner.h"
+#include "replica/dist/tests/free_port.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -24,19 +25,9 @@ using namespace replica::dist;
 
 namespace {
 
-constexpr char kReleaseKey[] = "test/intruders_done";
+using replica::testing::free_port;
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+constexpr char kReleaseKey[] = "test/intruders_done";
 
 // Connects to 127.0.0.1:port once rank 0 listens (or -1 once `stop` is set) and reads the
 // greeting.

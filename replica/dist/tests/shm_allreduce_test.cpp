@@ -10,6 +10,7 @@
 #include "replica/dist/process_group.h"
 #include "replica/dist/shm_allreduce.h"
 #include "replica/dist/world.h"
+#include "replica/dist/tests/free_port.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -45,6 +46,8 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 namespace {
+
+using replica::testing::free_port;
 
 // ---- helpers ------------------------------------------------------------------------------
 
@@ -93,18 +96,6 @@ std::vector<std::string> shm_leftovers(const std::string& job) {
   }
   closedir(d);
   return out;
-}
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 struct RankOptions {

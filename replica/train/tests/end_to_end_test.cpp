@@ -150,24 +150,15 @@ bool has_error_line(const std::string& text, const std::vector<std::string>& par
   return false;
 }
 
-class EndToEnd : public ::testing::Test {
+class EndToEnd : public replica::testing::ScratchDirTest {
  protected:
+  EndToEnd() : ScratchDirTest("replica-e2e") {}
   void SetUp() override {
     ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built (cmake --build builds it)";
     ASSERT_TRUE(fs::exists(fs::path(kFashionMnist) / "train-labels-idx1-ubyte.gz") ||
                 fs::exists(fs::path(kFashionMnist) / "train-labels-idx1-ubyte"))
         << "Fashion-MNIST is not installed at " << kFashionMnist;
-    std::string tmpl = (fs::temp_directory_path() / "replica-e2e-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    if (HasFailure()) {
-      std::cerr << "(test directory kept for inspection: " << dir_ << ")\n";
-      return;
-    }
-    std::error_code ignored;
-    fs::remove_all(dir_, ignored);
+    ScratchDirTest::SetUp();
   }
 
   // The small SGD run every test starts from; `params` replaces or adds params: keys (YAML
@@ -213,7 +204,6 @@ class EndToEnd : public ::testing::Test {
 
   fs::path project(const std::string& name) const { return dir_ / name; }
 
-  fs::path dir_;
 };
 
 // ---------------------------------------------------------------------------------------

@@ -173,21 +173,12 @@ class FaultInjector {
   std::thread thread_;
 };
 
-class FaultTolerance : public ::testing::Test {
+class FaultTolerance : public replica::testing::ScratchDirTest {
  protected:
+  FaultTolerance() : ScratchDirTest("replica-ft") {}
   void SetUp() override {
     ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built";
-    std::string tmpl = (fs::temp_directory_path() / "replica-ft-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    if (HasFailure()) {
-      std::cerr << "(test directory kept for inspection: " << dir_ << ")\n";
-      return;
-    }
-    std::error_code ignored;
-    fs::remove_all(dir_, ignored);
+    ScratchDirTest::SetUp();
   }
 
   fs::path write_config(const std::map<std::string, std::string>& params = {}) {
@@ -221,7 +212,6 @@ class FaultTolerance : public ::testing::Test {
     return load_model(p / "final" / "model.safetensors");
   }
 
-  fs::path dir_;
 };
 
 // ---------------------------------------------------------------------------------------

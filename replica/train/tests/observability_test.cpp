@@ -111,21 +111,12 @@ std::pair<int, std::string> run_in_terminal(const std::vector<std::string>& args
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
 }
 
-class Observability : public ::testing::Test {
+class Observability : public replica::testing::ScratchDirTest {
  protected:
+  Observability() : ScratchDirTest("replica-obs") {}
   void SetUp() override {
     ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built (cmake --build builds it)";
-    std::string tmpl = (fs::temp_directory_path() / "replica-obs-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    if (HasFailure()) {
-      std::cerr << "(test directory kept for inspection: " << dir_ << ")\n";
-      return;
-    }
-    std::error_code ignored;
-    fs::remove_all(dir_, ignored);
+    ScratchDirTest::SetUp();
   }
 
   // A short SGD run on Fashion-MNIST; with eval_every > 0 it evaluates on t10k every that
@@ -151,7 +142,6 @@ class Observability : public ::testing::Test {
     return run_program(REPLICA_BIN, args, env, std::chrono::seconds(120));
   }
 
-  fs::path dir_;
 };
 
 }  // namespace

@@ -15,6 +15,8 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <iostream>
 #include <map>
 #include <ostream>
 #include <string>
@@ -175,5 +177,30 @@ inline Result run_program(const std::string& program, const std::vector<std::str
   }
   return r;
 }
+
+// A test with its own scratch directory (dir_), made fresh for each test and removed after it,
+// or kept and named when the test failed, for inspection.
+class ScratchDirTest : public ::testing::Test {
+ protected:
+  explicit ScratchDirTest(std::string prefix) : prefix_(std::move(prefix)) {}
+  void SetUp() override {
+    std::string tmpl = (std::filesystem::temp_directory_path() / (prefix_ + "-XXXXXX")).string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr) << "cannot create a directory under " << tmpl;
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    if (HasFailure()) {
+      std::cerr << "(test directory kept for inspection: " << dir_ << ")\n";
+      return;
+    }
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+  std::filesystem::path dir_;
+
+ private:
+  std::string prefix_;
+};
 
 }  // namespace replica::testing

@@ -37,21 +37,12 @@ std::map<std::string, torch::Tensor> load_model(const fs::path& file) {
   return {f.tensors.begin(), f.tensors.end()};
 }
 
-class Workloads : public ::testing::Test {
+class Workloads : public replica::testing::ScratchDirTest {
  protected:
+  Workloads() : ScratchDirTest("replica-workloads") {}
   void SetUp() override {
     ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built";
-    std::string tmpl = (fs::temp_directory_path() / "replica-workloads-XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override {
-    if (HasFailure()) {
-      std::cerr << "(test directory kept for inspection: " << dir_ << ")\n";
-      return;
-    }
-    std::error_code ignored;
-    fs::remove_all(dir_, ignored);
+    ScratchDirTest::SetUp();
   }
 
   // Writes the planted-cluster data set: 400 items in 20 clusters (random recall@10 = 0.025).
@@ -85,7 +76,6 @@ class Workloads : public ::testing::Test {
     return r;
   }
 
-  fs::path dir_;
 };
 
 }  // namespace
