@@ -62,40 +62,14 @@ replica::io::RunConfig config_with_overrides(const std::string& path, const std:
   return replica::io::parse_config(emitter.c_str(), path + " (with command-line overrides)");
 }
 
-// `--timeline FILE` after --config: not a config key but a request to the trainer, passed to
-// every worker as REPLICA_TIMELINE (an absolute path) and taken out of the overrides.
-std::vector<std::string> take_timeline_flag(std::vector<std::string> extras) {
-  for (size_t i = 0; i < extras.size(); ++i) {
-    std::string file;
-    size_t n = 0;
-    if (extras[i] == "--timeline") {
-      if (i + 1 >= extras.size() || extras[i + 1].rfind("--", 0) == 0) {
-        replica::fail("--timeline needs a file name (--timeline trace.json)");
-      }
-      file = extras[i + 1];
-      n = 2;
-    } else if (extras[i].rfind("--timeline=", 0) == 0) {
-      file = extras[i].substr(11);
-      n = 1;
-    } else {
-      continue;
-    }
-    if (file.empty()) replica::fail("--timeline needs a file name (--timeline trace.json)");
-    setenv("REPLICA_TIMELINE", std::filesystem::absolute(file).string().c_str(), 1);
-    extras.erase(extras.begin() + static_cast<std::ptrdiff_t>(i), extras.begin() + static_cast<std::ptrdiff_t>(i + n));
-    --i;
-  }
-  return extras;
-}
-
 int run_main(int argc, char** argv) {
   CLI::App app{"replica: data-parallel training in C++ on LibTorch (DDP, launcher, trainer)", "replica"};
   app.set_version_flag("--version", std::string("replica ") + REPLICA_VERSION);
   app.require_subcommand(0, 1);
   app.allow_extras();
   std::string config_path;
-  app.add_option("--config", config_path, "Run the task a YAML file describes (flags after it override its keys; "
-                                         "--timeline FILE writes a Chrome trace of every rank)")
+  app.add_option("--config", config_path, "Run the task a YAML file describes (flags after it override its keys, "
+                                         "e.g. --timeline trace.json)")
       ->check(CLI::ExistingFile);
 
   auto* launch = app.add_subcommand("launch", "Start workers of a program, torchrun-compatible: "
@@ -247,7 +221,7 @@ int run_main(int argc, char** argv) {
     return 0;
   }
   if (!config_path.empty()) {
-    auto config = config_with_overrides(config_path, take_timeline_flag(app.remaining()));
+    auto config = config_with_overrides(config_path, app.remaining());
     std::vector<std::string> self = {"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) self.emplace_back(argv[i]);
     return replica::train::run(config, self);

@@ -312,6 +312,7 @@ const std::vector<ParamField>& param_fields() {
                  },
                  [](YAML::Emitter& out, const Params& p) { emit_value(out, p.logging_steps); }});
     f.push_back(plain("overwrite", &Params::overwrite));
+    f.push_back(plain("timeline", &Params::timeline));
     f.push_back({"hidden_sizes",
                  [](Params& p, const YAML::Node& n, const std::string& key, const Context& ctx) {
                    if (!n.IsSequence()) wrong_type(ctx, n, key, "a list of positive integers");

@@ -62,6 +62,7 @@ struct Params {
   int threads_per_worker = 0;               // 0 = cores / workers
   int64_t logging_steps = 10;
   bool overwrite = false;
+  std::string timeline;                     // a Chrome trace of every rank to this file; "" = none
 
   // Image models.
   std::vector<int64_t> hidden_sizes = {256, 128};

@@ -297,7 +297,10 @@ int run_worker(const io::RunConfig& config) {
   pg_options.token = p.token;  // empty: REPLICA_TOKEN from the launcher
   auto pg = dist::init_process_group(world, pg_options);
   const bool main = pg->rank() == 0;
-  const std::optional<std::string> timeline_file = env("REPLICA_TIMELINE");
+  // params.timeline (--timeline FILE), or REPLICA_TIMELINE for programs that run the trainer
+  // without a config of their own; relative to the directory the run was started in.
+  std::optional<std::string> timeline_file = env("REPLICA_TIMELINE");
+  if (!p.timeline.empty()) timeline_file = p.timeline;
   if (timeline_file) obs::Timeline::instance().enable(pg->rank());
   if (main) {
     spdlog::info("replica: task {} on {} worker{} ({} thread{} each), backend {}", config.task, pg->size(),

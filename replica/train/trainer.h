@@ -12,7 +12,7 @@
 // whole one; final/. Only rank 0 writes shared files.
 // Around the loop (replica/obs): rank 0's progress bar or plain lines, metrics.jsonl with the
 // time split, TensorBoard events (log: tensorboard), the plot at the end, and with
-// REPLICA_TIMELINE (`--timeline FILE`) a Chrome trace of every rank.
+// params.timeline (`--timeline FILE`, or REPLICA_TIMELINE) a Chrome trace of every rank.
 //
 // Thread-safety: one run per process (it sets the process's thread count, RNG seed and
 // process-wide timeline); call it from the main thread.
