@@ -3,7 +3,7 @@
 #include "replica/core/error.h"
 #include "replica/dist/process_group.h"
 #include "replica/dist/world.h"
-#include "replica/dist/tests/free_port.h"
+#include "replica/dist/tests/loopback.h"
 
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -23,16 +23,7 @@ namespace {
 
 using replica::testing::free_port;
 
-WorldInfo world(int rank, int size, int port) {
-  WorldInfo w;
-  w.rank = rank;
-  w.local_rank = rank;
-  w.world_size = size;
-  w.local_world_size = size;
-  w.master_addr = "127.0.0.1";
-  w.master_port = port;
-  return w;
-}
+WorldInfo world(int rank, int size, int port) { return replica::testing::loopback_world(rank, size, port); }
 
 // Runs fn(rank) on two threads; returns each rank's error message ("" when none).
 template <typename F>

@@ -7,7 +7,7 @@
 #include "replica/dist/store.h"
 #include "replica/dist/world.h"
 #include "replica/train/tests/program_runner.h"
-#include "replica/dist/tests/free_port.h"
+#include "replica/dist/tests/loopback.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>

@@ -10,7 +10,7 @@
 #include "replica/dist/process_group.h"
 #include "replica/dist/shm_allreduce.h"
 #include "replica/dist/world.h"
-#include "replica/dist/tests/free_port.h"
+#include "replica/dist/tests/loopback.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -1,5 +1,7 @@
-// A loopback TCP port that was free a moment ago, for tests that start their own rendezvous.
+// Loopback rendezvous for tests that start their own process groups.
 #pragma once
+
+#include "replica/dist/world.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -7,6 +9,8 @@
 #include <unistd.h>
 
 namespace replica::testing {
+
+// A loopback TCP port that was free a moment ago.
 
 inline int free_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -18,6 +22,18 @@ inline int free_port() {
   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   close(fd);
   return ntohs(a.sin_port);
+}
+
+// Rank `rank` of a one-node world of `size` ranks meeting at 127.0.0.1:port.
+inline dist::WorldInfo loopback_world(int rank, int size, int port) {
+  dist::WorldInfo w;
+  w.rank = rank;
+  w.local_rank = rank;
+  w.world_size = size;
+  w.local_world_size = size;
+  w.master_addr = "127.0.0.1";
+  w.master_port = port;
+  return w;
 }
 
 }  // namespace replica::testing
