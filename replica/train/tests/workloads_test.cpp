@@ -167,6 +167,32 @@ TEST_F(Workloads, ResNet18LossFallsWithSyncBatchNormOnTwoWorkers) {
   EXPECT_TRUE(model.count("layer4.1.bn2.running_mean"));
 }
 
+// ZeRO-3 on ResNet-18 with SyncBatchNorm: sharded gradients and optimizer state, the same
+// weights and BatchNorm statistics as DDP after 10 steps at the same global batch.
+TEST_F(Workloads, ResNet18UnderZero3EqualsDdp) {
+  const fs::path cfg = write_config(
+      "resnet_z3", "task: image-classification\nmodel: resnet18\nlog: jsonl\nproject_name: " +
+                       (dir_ / "u").string() +
+                       "\ndata:\n  path: /usr/share/datasets/fashion-mnist\n  valid_split: null\nparams:\n"
+                       "  nproc_per_node: 2\n  batch_size: 16\n  max_steps: 10\n  optimizer: sgd\n  lr: 0.05\n"
+                       "  scheduler: constant\n  max_grad_norm: 0\n  sync_batchnorm: true\n  augment: false\n"
+                       "  threads_per_worker: 1\n  checkpoint_every: 0\n  logging_steps: 5\n  seed: 1\n");
+  const Result ddp = train(cfg, dir_ / "ddp", {"--distributed-backend", "ddp"});
+  const Result zero3 = train(cfg, dir_ / "zero3", {"--distributed-backend", "zero3"});
+  if (HasFailure()) return;
+  EXPECT_NE(zero3.all().find("backend zero3"), std::string::npos) << zero3;
+  const auto a = load_model(dir_ / "ddp" / "final" / "model.safetensors");
+  const auto b = load_model(dir_ / "zero3" / "final" / "model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(b.count(name)) << name;
+    worst = std::max(worst, (t.to(torch::kDouble) - b.at(name).to(torch::kDouble)).abs().max().item<double>());
+  }
+  EXPECT_LE(worst, 1e-5);
+  EXPECT_TRUE(a.count("layer4.1.bn2.running_mean"));
+}
+
 // Mid-epoch resume on MDS data: a run stopped at its step-6 checkpoint and started again ends
 // exactly where the straight run ends (same samples from the same place in the epoch).
 TEST_F(Workloads, TwoTowerResumesMidEpochExactly) {
