@@ -5,6 +5,7 @@
 // overstays. Nothing here sleeps to synchronise.
 #include "replica/core/error.h"
 #include "replica/train/tests/program_runner.h"
+#include "replica/train/tests/tensor_files.h"
 #include "replica/io/config.h"
 #include "replica/io/safetensors.h"
 
@@ -35,6 +36,9 @@ extern char** environ;
 namespace fs = std::filesystem;
 
 namespace {
+
+using replica::testing::load_tensors;
+using replica::testing::max_abs_diff;
 
 using Clock = std::chrono::steady_clock;
 
@@ -78,29 +82,6 @@ int free_port() {
   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   close(fd);
   return ntohs(a.sin_port);
-}
-
-std::map<std::string, torch::Tensor> load_model(const fs::path& file) {
-  auto f = replica::io::load_safetensors(file.string());
-  return {f.tensors.begin(), f.tensors.end()};
-}
-
-double max_abs_diff(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (const auto& [name, t] : a) {
-    auto it = b.find(name);
-    if (it == b.end()) {
-      ADD_FAILURE() << "tensor " << name << " missing";
-      return 1e30;
-    }
-    if (t.sizes() != it->second.sizes()) {
-      ADD_FAILURE() << "tensor " << name << " shapes differ";
-      return 1e30;
-    }
-    worst = std::max(worst, (t.to(torch::kDouble) - it->second.to(torch::kDouble)).abs().max().item<double>());
-  }
-  return worst;
 }
 
 bool bitwise_equal(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
@@ -214,8 +195,8 @@ TEST_F(EndToEnd, TwoWorkersWithHalfTheBatchMatchOneWorker) {
   train(cfg, project("one"), {"--nproc-per-node", "1", "--batch-size", "32"});
   const Result two = train(cfg, project("two"), {"--nproc-per-node", "2", "--batch-size", "16"});
   if (HasFailure()) return;
-  const auto a = load_model(project("one") / "final" / "model.safetensors");
-  const auto b = load_model(project("two") / "final" / "model.safetensors");
+  const auto a = load_tensors(project("one") / "final" / "model.safetensors");
+  const auto b = load_tensors(project("two") / "final" / "model.safetensors");
   EXPECT_LE(max_abs_diff(a, b), 1e-5);
   // The second run really had two workers.
   EXPECT_NE(two.all().find("2 workers"), std::string::npos) << two;
@@ -233,9 +214,9 @@ TEST_F(EndToEnd, GradientAccumulationMatchesTheLargerBatch) {
   train(cfg, project("b8x4"), {"--batch-size", "8", "--gradient-accumulation", "4"});
   train(cfg, project("w2b8x2"), {"--nproc-per-node", "2", "--batch-size", "8", "--gradient-accumulation", "2"});
   if (HasFailure()) return;
-  const auto ref = load_model(project("b32") / "final" / "model.safetensors");
-  EXPECT_LE(max_abs_diff(ref, load_model(project("b8x4") / "final" / "model.safetensors")), 1e-5);
-  EXPECT_LE(max_abs_diff(ref, load_model(project("w2b8x2") / "final" / "model.safetensors")), 1e-5);
+  const auto ref = load_tensors(project("b32") / "final" / "model.safetensors");
+  EXPECT_LE(max_abs_diff(ref, load_tensors(project("b8x4") / "final" / "model.safetensors")), 1e-5);
+  EXPECT_LE(max_abs_diff(ref, load_tensors(project("w2b8x2") / "final" / "model.safetensors")), 1e-5);
   // 10 optimizer steps each, not 10 micro-steps.
   EXPECT_EQ(train_steps(metrics_of(project("b8x4"))), one_to(10));
   EXPECT_EQ(train_steps(metrics_of(project("w2b8x2"))), one_to(10));
@@ -282,12 +263,12 @@ TEST_F(EndToEnd, ResumeContinuesBitForBit) {
   EXPECT_NE(resumed.all().find("resuming from"), std::string::npos) << resumed;
   EXPECT_NE(resumed.all().find("checkpoint-10"), std::string::npos) << resumed;
 
-  const auto fa = load_model(project("a") / "final" / "model.safetensors");
-  const auto fb = load_model(b / "final" / "model.safetensors");
+  const auto fa = load_tensors(project("a") / "final" / "model.safetensors");
+  const auto fb = load_tensors(b / "final" / "model.safetensors");
   EXPECT_TRUE(bitwise_equal(fa, fb)) << "max abs diff " << max_abs_diff(fa, fb);
   // The checkpoints at step 20 agree too (model and optimizer state).
-  EXPECT_TRUE(bitwise_equal(load_model(project("a") / "checkpoint-20" / "optimizer.safetensors"),
-                            load_model(b / "checkpoint-20" / "optimizer.safetensors")));
+  EXPECT_TRUE(bitwise_equal(load_tensors(project("a") / "checkpoint-20" / "optimizer.safetensors"),
+                            load_tensors(b / "checkpoint-20" / "optimizer.safetensors")));
 
   // Every step exactly once, in order, with none of the stale lines.
   const auto metrics = metrics_of(b);
@@ -319,8 +300,8 @@ TEST_F(EndToEnd, ResumeOnAnotherWorldSizeContinuesAtTheSameSample) {
   auto state = nlohmann::json::parse(read_file(b / "checkpoint-20" / "trainer_state.json"));
   EXPECT_EQ(state.at("global_step"), 20);
   EXPECT_EQ(state.at("world_size"), 2);
-  EXPECT_LE(max_abs_diff(load_model(project("a") / "final" / "model.safetensors"),
-                         load_model(b / "final" / "model.safetensors")),
+  EXPECT_LE(max_abs_diff(load_tensors(project("a") / "final" / "model.safetensors"),
+                         load_tensors(b / "final" / "model.safetensors")),
             1e-5)
       << "the resumed run trained on other samples than the straight run";
 }
@@ -353,7 +334,7 @@ TEST_F(EndToEnd, CorruptNewestCheckpointIsSkipped) {
   if (HasFailure()) return;
   ASSERT_TRUE(fs::is_directory(p / "checkpoint-10"));
   ASSERT_TRUE(fs::is_directory(p / "checkpoint-20"));
-  const auto straight = load_model(p / "final" / "model.safetensors");
+  const auto straight = load_tensors(p / "final" / "model.safetensors");
   // One flipped byte in the weights: the file still parses, only its checksum tells.
   const fs::path model = p / "checkpoint-20" / "model.safetensors";
   {
@@ -372,7 +353,7 @@ TEST_F(EndToEnd, CorruptNewestCheckpointIsSkipped) {
   }
   EXPECT_TRUE(warned) << r;
   EXPECT_NE(r.all().find("resuming from " + (p / "checkpoint-10").string()), std::string::npos) << r;
-  EXPECT_TRUE(bitwise_equal(straight, load_model(p / "final" / "model.safetensors")));
+  EXPECT_TRUE(bitwise_equal(straight, load_tensors(p / "final" / "model.safetensors")));
   EXPECT_EQ(train_steps(metrics_of(p)), one_to(20));
 }
 
@@ -575,11 +556,11 @@ TEST_F(EndToEnd, RunLeavesTheDocumentedArtifacts) {
   }
 
   // final/.
-  const auto final_model = load_model(p / "final" / "model.safetensors");
+  const auto final_model = load_tensors(p / "final" / "model.safetensors");
   ASSERT_EQ(final_model.count("layers.0.weight"), 1u);
   EXPECT_EQ(final_model.at("layers.0.weight").sizes(), (std::vector<int64_t>{64, 784}));
   EXPECT_EQ(final_model.at("layers.2.weight").sizes(), (std::vector<int64_t>{10, 64}));
-  EXPECT_TRUE(bitwise_equal(final_model, load_model(p / "checkpoint-20" / "model.safetensors")));
+  EXPECT_TRUE(bitwise_equal(final_model, load_tensors(p / "checkpoint-20" / "model.safetensors")));
   const auto model_config = nlohmann::json::parse(read_file(p / "final" / "config.json"));
   EXPECT_EQ(model_config.at("model_type"), "mlp");
   EXPECT_EQ(model_config.at("num_classes"), 10);
@@ -604,8 +585,8 @@ TEST_F(EndToEnd, Zero3World2EqualsDdpWorld2) {
   const Result z = train(cfg, project("zero"), {"--nproc-per-node", "2", "--batch-size", "8",
                                                 "--distributed-backend", "deepspeed"});
   if (HasFailure()) return;
-  EXPECT_LE(max_abs_diff(load_model(project("ddp") / "final" / "model.safetensors"),
-                         load_model(project("zero") / "final" / "model.safetensors")),
+  EXPECT_LE(max_abs_diff(load_tensors(project("ddp") / "final" / "model.safetensors"),
+                         load_tensors(project("zero") / "final" / "model.safetensors")),
             1e-5);
   EXPECT_NE(z.all().find("backend zero3"), std::string::npos) << z;
   EXPECT_NE(z.all().find("per-worker model state"), std::string::npos) << z;
@@ -627,8 +608,8 @@ TEST_F(EndToEnd, Zero3ResumesOnOneWorkerAndConsolidates) {
   const Result resumed = train(cfg, b, {"--max-steps", "20", "--nproc-per-node", "1", "--batch-size", "32"});
   if (HasFailure()) return;
   EXPECT_NE(resumed.all().find("resuming from"), std::string::npos) << resumed;
-  const auto fa = load_model(project("a") / "final" / "model.safetensors");
-  const auto fb = load_model(b / "final" / "model.safetensors");
+  const auto fa = load_tensors(project("a") / "final" / "model.safetensors");
+  const auto fb = load_tensors(b / "final" / "model.safetensors");
   EXPECT_LE(max_abs_diff(fa, fb), 1e-5);
   // The loss curve continues: every step once, and the resumed steps' losses are the
   // straight run's.
@@ -642,7 +623,7 @@ TEST_F(EndToEnd, Zero3ResumesOnOneWorkerAndConsolidates) {
   const fs::path out = dir_ / "consolidated.safetensors";
   const Result cons = replica({"consolidate", (b / "checkpoint-20").string(), out.string()});
   EXPECT_EQ(cons.exit_code, 0) << cons;
-  const auto consolidated = load_model(out);
+  const auto consolidated = load_tensors(out);
   EXPECT_EQ(consolidated.size(), fb.size());
   EXPECT_TRUE(bitwise_equal(consolidated, fb));
   const Result bad = replica({"consolidate", project("a").string(), out.string()});

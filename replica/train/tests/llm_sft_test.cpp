@@ -5,6 +5,7 @@
 
 #include "replica/core/error.h"
 #include "replica/train/tests/program_runner.h"
+#include "replica/train/tests/tensor_files.h"
 #include "replica/io/safetensors.h"
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"
@@ -39,6 +40,9 @@ using Ids = std::vector<int32_t>;
 
 namespace {
 
+using replica::testing::load_tensors;
+using replica::testing::max_abs_diff;
+
 // ---------------------------------------------------------------------------------------
 // Running the program (bounded: the child's process group is killed at the deadline).
 
@@ -72,25 +76,6 @@ std::vector<double> losses_of(const fs::path& project) {
     if (j.contains("loss")) out.push_back(j["loss"].get<double>());
   }
   return out;
-}
-
-std::map<std::string, torch::Tensor> load_tensors(const fs::path& file) {
-  auto f = replica::io::load_safetensors(file.string());
-  return {f.tensors.begin(), f.tensors.end()};
-}
-
-double max_abs_diff(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (const auto& [name, t] : a) {
-    auto it = b.find(name);
-    if (it == b.end() || it->second.sizes() != t.sizes()) {
-      ADD_FAILURE() << "tensor " << name << " missing or of another shape";
-      return 1e30;
-    }
-    worst = std::max(worst, (t.to(torch::kDouble) - it->second.to(torch::kDouble)).abs().max().item<double>());
-  }
-  return worst;
 }
 
 double parse_eval_loss(const std::string& out) {

@@ -1,7 +1,8 @@
 // The two-tower and ResNet workloads through the real `replica` program (REPLICA_BIN):
 // synthetic recommender data written as MDS by `replica mds synthetic`, then training runs
 // started as child processes (bounded by program_runner's deadline).
-#include "program_runner.h"
+#include "replica/train/tests/program_runner.h"
+#include "replica/train/tests/tensor_files.h"
 #include "replica/io/safetensors.h"
 
 #include <gtest/gtest.h>
@@ -18,6 +19,9 @@ using replica::testing::run_program;
 
 namespace {
 
+using replica::testing::load_tensors;
+using replica::testing::max_abs_diff;
+
 Result replica_run(const std::vector<std::string>& args, std::chrono::seconds limit = std::chrono::seconds(120)) {
   return run_program(REPLICA_BIN, args, {}, limit);
 }
@@ -30,11 +34,6 @@ std::vector<nlohmann::json> metrics_of(const fs::path& project) {
     if (!line.empty()) out.push_back(nlohmann::json::parse(line));
   }
   return out;
-}
-
-std::map<std::string, torch::Tensor> load_model(const fs::path& file) {
-  auto f = replica::io::load_safetensors(file.string());
-  return {f.tensors.begin(), f.tensors.end()};
 }
 
 class Workloads : public replica::testing::ScratchDirTest {
@@ -112,15 +111,10 @@ TEST_F(Workloads, TwoTowerWorld2EqualsWorld1AtTheSameGlobalBatch) {
   train(cfg, dir_ / "one", {"--nproc-per-node", "1", "--batch-size", "64"});
   train(cfg, dir_ / "two", {"--nproc-per-node", "2", "--batch-size", "32"});
   if (HasFailure()) return;
-  const auto a = load_model(dir_ / "one" / "final" / "model.safetensors");
-  const auto b = load_model(dir_ / "two" / "final" / "model.safetensors");
+  const auto a = load_tensors(dir_ / "one" / "final" / "model.safetensors");
+  const auto b = load_tensors(dir_ / "two" / "final" / "model.safetensors");
   ASSERT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (const auto& [name, t] : a) {
-    ASSERT_TRUE(b.count(name)) << name;
-    worst = std::max(worst, (t - b.at(name)).abs().max().item<double>());
-  }
-  EXPECT_LE(worst, 1e-5);
+  EXPECT_LE(max_abs_diff(a, b), 1e-5);
   // And the runs trained (the comparison is not between two untouched initialisations).
   std::vector<double> losses;
   for (const auto& j : metrics_of(dir_ / "two")) {
@@ -163,7 +157,7 @@ TEST_F(Workloads, ResNet18LossFallsWithSyncBatchNormOnTwoWorkers) {
   EXPECT_LT(last, 0.8 * first) << "first steps " << first << ", last steps " << last;
   auto config = nlohmann::json::parse(std::ifstream(dir_ / "resnet" / "final" / "config.json"));
   EXPECT_EQ(config["model_type"], "resnet18");
-  const auto model = load_model(dir_ / "resnet" / "final" / "model.safetensors");
+  const auto model = load_tensors(dir_ / "resnet" / "final" / "model.safetensors");
   EXPECT_TRUE(model.count("layer4.1.bn2.running_mean"));
 }
 
@@ -181,15 +175,10 @@ TEST_F(Workloads, ResNet18UnderZero3EqualsDdp) {
   const Result zero3 = train(cfg, dir_ / "zero3", {"--distributed-backend", "zero3"});
   if (HasFailure()) return;
   EXPECT_NE(zero3.all().find("backend zero3"), std::string::npos) << zero3;
-  const auto a = load_model(dir_ / "ddp" / "final" / "model.safetensors");
-  const auto b = load_model(dir_ / "zero3" / "final" / "model.safetensors");
+  const auto a = load_tensors(dir_ / "ddp" / "final" / "model.safetensors");
+  const auto b = load_tensors(dir_ / "zero3" / "final" / "model.safetensors");
   ASSERT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (const auto& [name, t] : a) {
-    ASSERT_TRUE(b.count(name)) << name;
-    worst = std::max(worst, (t.to(torch::kDouble) - b.at(name).to(torch::kDouble)).abs().max().item<double>());
-  }
-  EXPECT_LE(worst, 1e-5);
+  EXPECT_LE(max_abs_diff(a, b), 1e-5);
   EXPECT_TRUE(a.count("layer4.1.bn2.running_mean"));
 }
 
@@ -204,8 +193,8 @@ TEST_F(Workloads, TwoTowerResumesMidEpochExactly) {
   const Result resumed = train(cfg, dir_ / "b", {"--max-steps", "12", "--checkpoint-every", "6"});
   if (HasFailure()) return;
   EXPECT_NE(resumed.all().find("resuming from"), std::string::npos) << resumed;
-  const auto a = load_model(dir_ / "a" / "final" / "model.safetensors");
-  const auto b = load_model(dir_ / "b" / "final" / "model.safetensors");
+  const auto a = load_tensors(dir_ / "a" / "final" / "model.safetensors");
+  const auto b = load_tensors(dir_ / "b" / "final" / "model.safetensors");
   ASSERT_EQ(a.size(), b.size());
   for (const auto& [name, t] : a) EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
 }
