@@ -582,7 +582,7 @@ void check_config(const RunConfig& c, const Context& ctx) {
   check_at_least(ctx, "params.threads_per_worker", p.threads_per_worker, 0);
   check_at_least<int64_t>(ctx, "params.logging_steps", p.logging_steps, 1);
   for (int64_t size : p.hidden_sizes) check_at_least<int64_t>(ctx, "params.hidden_sizes", size, 1);
-  check_enum(ctx, "params.resnet_stem", p.resnet_stem, {"imagenet", "small"});
+  check_enum(ctx, "params.resnet_stem", p.resnet_stem, {"imagenet", "pooled", "small"});
   check_at_least<int64_t>(ctx, "params.embedding_dim", p.embedding_dim, 1);
   check_positive(ctx, "params.temperature", p.temperature);
   check_at_least<int64_t>(ctx, "params.top_k", p.top_k, 1);

@@ -68,7 +68,7 @@ struct Params {
   std::vector<int64_t> hidden_sizes = {256, 128};
   bool sync_batchnorm = false;              // resnet18: batch statistics across all workers
   bool augment = false;                     // resnet18: random crop (padding 4) + horizontal flip
-  std::string resnet_stem = "imagenet";     // imagenet (7x7/2 conv + max-pool) | small (3x3/1)
+  std::string resnet_stem = "imagenet";     // imagenet (7x7/2 conv + max-pool) | pooled (3x3/1 + max-pool) | small (3x3/1)
 
   // Two-tower recommender.
   int64_t embedding_dim = 32;               // id and feature embeddings; also the tower output size

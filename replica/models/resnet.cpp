@@ -48,12 +48,15 @@ ResNet18Impl::ResNet18Impl(ResNetOptions options) {
   if (options.in_channels < 1 || options.num_classes < 1) {
     fail("ResNet-18: in_channels {} and num_classes {} must be >= 1", options.in_channels, options.num_classes);
   }
-  if (options.stem != "imagenet" && options.stem != "small") fail("ResNet-18: stem '{}' (imagenet | small)", options.stem);
+  if (options.stem != "imagenet" && options.stem != "pooled" && options.stem != "small") {
+    fail("ResNet-18: stem '{}' (imagenet | pooled | small)", options.stem);
+  }
   NormLayerFactory norm = options.norm_layer;
   if (!norm) norm = [](int64_t c) { return torch::nn::AnyModule(torch::nn::BatchNorm2d(c)); };
   in_channels_ = options.in_channels;
-  pool_ = options.stem == "imagenet";
-  conv1_ = register_module("conv1", pool_ ? conv(options.in_channels, 64, 7, 2) : conv(options.in_channels, 64, 3, 1));
+  pool_ = options.stem != "small";
+  conv1_ = register_module("conv1", options.stem == "imagenet" ? conv(options.in_channels, 64, 7, 2)
+                                                                : conv(options.in_channels, 64, 3, 1));
   bn1_ = norm(64);
   register_module("bn1", bn1_.ptr());
   const int64_t widths[] = {64, 128, 256, 512};

@@ -5,8 +5,9 @@
 // layer2.0.downsample.0/1, fc), so weights map one to one onto a torchvision model with
 // conv1 replaced for in_channels and the stem option below.
 // stem: "imagenet" = 7x7 stride-2 conv + 3x3 stride-2 max-pool (torchvision; 28x28 input
-// reaches layer1 at 7x7, cheap); "small" = 3x3 stride-1 conv, no pool (the CIFAR variant;
-// layer1 at 28x28, ~16x the compute, usually a point or two more accuracy).
+// reaches layer1 at 7x7, cheap); "pooled" = 3x3 stride-1 conv + the same max-pool (layer1 at
+// 14x14, ~4x the compute: keeps a 2x2 map into layer4 instead of 1x1); "small" = 3x3 stride-1
+// conv, no pool (the CIFAR variant; layer1 at 28x28, ~16x the compute).
 // The norm layer is pluggable (BatchNorm2d by default) so that DDP runs can put
 // ddp::SyncBatchNorm2d in its place; it must keep BatchNorm2d's parameter names.
 #pragma once
@@ -28,7 +29,7 @@ using NormLayerFactory = std::function<torch::nn::AnyModule(int64_t channels)>;
 struct ResNetOptions {
   int64_t in_channels = 1;
   int64_t num_classes = 10;
-  std::string stem = "imagenet";  // imagenet | small
+  std::string stem = "imagenet";  // imagenet | pooled | small
   NormLayerFactory norm_layer;     // empty: torch::nn::BatchNorm2d
 };
 

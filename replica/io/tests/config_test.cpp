@@ -459,7 +459,7 @@ TEST_F(ConfigTest, ResNetAndTwoTowerKeys) {
   EXPECT_EQ(c.params.resnet_stem, "small");
   EXPECT_EQ(parse_config(to_yaml(c), "again.yaml"), c);  // written back out and read again
   EXPECT_EQ(error_of(image_yaml("  resnet_stem: tiny\n")),
-            "run.yaml:7: key 'params.resnet_stem' must be one of imagenet, small, got 'tiny'");
+            "run.yaml:7: key 'params.resnet_stem' must be one of imagenet, pooled, small, got 'tiny'");
   EXPECT_EQ(error_of(image_yaml("  temperature: 0\n")), "run.yaml:7: key 'params.temperature' must be > 0, got 0");
   EXPECT_EQ(error_of(image_yaml("  top_k: 0\n")), "run.yaml:7: key 'params.top_k' must be >= 1, got 0");
   const RunConfig tt = default_config("two-tower");

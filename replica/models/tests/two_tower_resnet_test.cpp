@@ -64,8 +64,8 @@ TEST(TwoTower, TowersGiveUnitVectorsAndNameTheirTables) {
   }
 }
 
-TEST(ResNet18, TorchvisionNamesAndShapesForBothStems) {
-  for (const char* stem : {"imagenet", "small"}) {
+TEST(ResNet18, TorchvisionNamesAndShapesForEveryStem) {
+  for (const char* stem : {"imagenet", "pooled", "small"}) {
     ResNetOptions o;
     o.stem = stem;
     ResNet18 model(o);
