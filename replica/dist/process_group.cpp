@@ -190,6 +190,37 @@ Work ProcessGroup::allreduce_sum(torch::Tensor& tensor, const char* file, int li
   return Work(std::make_shared<MonitoredWork>(std::move(work), monitor_, seq));
 }
 
+std::pair<int64_t, int64_t> ProcessGroup::shard_range(int64_t numel, torch::ScalarType dtype, int rank) const {
+  if (rank < 0 || rank >= size()) fail("shard_range: rank {} of a world of {}", rank, size());
+  return ShmAllreduce::shard_range(numel, size(), rank, c10::elementSize(dtype));
+}
+
+Work ProcessGroup::reduce_scatter_sum(torch::Tensor& tensor, const char* file, int line) {
+  if (!(use_shm_ && ShmTransport::supports(tensor) && !shm_->multi_node())) {
+    return allreduce_sum(tensor, file, line);
+  }
+  const uint64_t seq = monitor_ ? monitor_->begin("reduce-scatter", {tensor}, file, line) : 0;
+  Work work = shm_->submit(tensor, ShmTransport::Op::kReduceScatter);
+  if (!monitor_) return work;
+  return Work(std::make_shared<MonitoredWork>(std::move(work), monitor_, seq));
+}
+
+Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, int line) {
+  if (size() <= 1) return Work();
+  if (!(use_shm_ && ShmTransport::supports(tensor) && !shm_->multi_node())) {
+    if (tensor.dim() != 1) fail("all_gather_shards: needs a flat tensor, got shape {}", c10::str(tensor.sizes()));
+    auto [b, e] = shard_range(tensor.numel(), tensor.scalar_type(), rank());
+    torch::NoGradGuard no_grad;
+    tensor.slice(0, 0, b).zero_();
+    tensor.slice(0, e).zero_();
+    return allreduce_sum(tensor, file, line);
+  }
+  const uint64_t seq = monitor_ ? monitor_->begin("all-gather", {tensor}, file, line) : 0;
+  Work work = shm_->submit(tensor, ShmTransport::Op::kAllGather);
+  if (!monitor_) return work;
+  return Work(std::make_shared<MonitoredWork>(std::move(work), monitor_, seq));
+}
+
 std::string ProcessGroup::transport() const {
   if (size() <= 1) return "none";
   return use_shm_ ? "shm" : "gloo";

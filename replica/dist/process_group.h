@@ -14,6 +14,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace replica::dist {
@@ -85,6 +86,18 @@ class ProcessGroup {
   // (issued in order on its own thread); everything else goes through the backend (Gloo).
   // `file`/`line` name the call site in collective timeout and desync reports.
   Work allreduce_sum(torch::Tensor& tensor, const char* file = __builtin_FILE(), int line = __builtin_LINE());
+  // Shards of a flat tensor for the two calls below: rank r owns elements
+  // [shard_range(numel, dtype, r)) (contiguous, cache-line aligned; the last may be empty).
+  std::pair<int64_t, int64_t> shard_range(int64_t numel, torch::ScalarType dtype, int rank) const;
+  // In-place reduce-scatter of a flat tensor: afterwards this rank's shard holds the sum across
+  // ranks and the rest unspecified values. Asynchronous, like allreduce_sum. With the
+  // shared-memory transport on one node and alloc_buffer() memory it reads the peers' shards
+  // directly (half an all-reduce); otherwise it is an all-reduce.
+  Work reduce_scatter_sum(torch::Tensor& tensor, const char* file = __builtin_FILE(), int line = __builtin_LINE());
+  // In-place all-gather of a flat tensor: afterwards all of it holds each rank's own shard.
+  // Shared memory as above copies the peers' shards; otherwise the shards are summed with
+  // zeros elsewhere (exact).
+  Work all_gather_shards(torch::Tensor& tensor, const char* file = __builtin_FILE(), int line = __builtin_LINE());
   // In-place: every rank ends with root's values.
   void broadcast(std::vector<torch::Tensor>& tensors, int root = 0, const char* file = __builtin_FILE(),
                  int line = __builtin_LINE());

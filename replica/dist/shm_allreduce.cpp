@@ -33,7 +33,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::uint64_t kMagic = 0x314d4853'4c504552ULL;  // "REPLSHM1"
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;
 constexpr std::size_t kPage = 4096;
 constexpr std::size_t kSmallBytes = std::size_t{1} << 20;  // naive algorithm up to this size
 // Bytes per step of the in-place (alloc()'ed) algorithm: small enough that a chunk one rank
@@ -48,6 +48,11 @@ constexpr auto kSpinTime = std::chrono::microseconds(50);
 enum State : std::uint32_t { kRunning = 0, kFailed = 1, kClosed = 2 };
 
 // What a rank is about to do; peers compare it with their own after the first barrier.
+enum Op : std::int32_t { kAllreduce = 0, kReduceScatter = 1, kAllGather = 2 };
+const char* op_name(std::int32_t op) {
+  return op == kReduceScatter ? "reduce-scatter" : op == kAllGather ? "all-gather" : "all-reduce";
+}
+
 struct OpDesc {
   std::uint64_t collective;
   std::int64_t numel;
@@ -55,6 +60,7 @@ struct OpDesc {
   std::int32_t in_place;  // 1: alloc()'ed memory at (region, offset)
   std::int64_t region;
   std::int64_t offset;
+  std::int32_t op;        // Op
 };
 
 // First page of each rank's control segment; written by its owner, read by everyone.
@@ -552,11 +558,11 @@ struct ShmAllreduce::Impl {
              "but #{} on local rank {}", d.collective, rank, o.collective, p);
       }
       if (o.numel != d.numel || o.dtype != d.dtype || o.in_place != d.in_place ||
-          o.region != d.region || o.offset != d.offset) {
+          o.region != d.region || o.offset != d.offset || o.op != d.op) {
         auto show = [](const OpDesc& x) {
-          return x.in_place ? fmt::format("{} {} elements at byte {} of alloc #{}", x.numel,
-                                          dtype_name(x.dtype), x.offset, x.region)
-                            : fmt::format("{} {} elements (not alloc()'ed)", x.numel,
+          return x.in_place ? fmt::format("{} of {} {} elements at byte {} of alloc #{}", op_name(x.op),
+                                          x.numel, dtype_name(x.dtype), x.offset, x.region)
+                            : fmt::format("{} of {} {} elements (not alloc()'ed)", op_name(x.op), x.numel,
                                           dtype_name(x.dtype));
         };
         fail("shm all-reduce: local ranks disagree at collective #{}: local rank {} has {}, "
@@ -629,6 +635,46 @@ struct ShmAllreduce::Impl {
       }
     }
     barrier();
+  }
+
+  // Reduce-scatter in place on alloc()'ed memory: this rank sums its own shard (chunk_of the
+  // whole tensor) over every rank's memory, a slice at a time. The closing barrier keeps every
+  // rank's tensor unchanged until all have read it.
+  void direct_reduce_scatter(const Region& region, const OpDesc& d, c10::ScalarType dtype, std::size_t elem) {
+    barrier();
+    check_descs(d);
+    std::vector<char*> base = bases(region, d);
+    auto [b, e] = chunk_of(static_cast<std::size_t>(d.numel), size, rank, elem);
+    const std::size_t step = kDirectStepBytes / elem;
+    std::vector<const void*> in(size);
+    for (std::size_t off = b; off < e; off += step) {
+      const std::size_t len = std::min(step, e - off);
+      for (int p = 0; p < size; ++p) in[p] = base[p] + off * elem;
+      reduce(dtype, base[rank] + off * elem, in.data(), size, len);
+    }
+    barrier();
+  }
+
+  // All-gather in place on alloc()'ed memory: this rank copies every peer's shard from the
+  // peer's memory; the closing barrier keeps every shard unchanged until all have copied it.
+  void direct_all_gather(const Region& region, const OpDesc& d, std::size_t elem) {
+    barrier();
+    check_descs(d);
+    std::vector<char*> base = bases(region, d);
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      auto [pb, pe] = chunk_of(static_cast<std::size_t>(d.numel), size, p, elem);
+      copy_bytes(base[rank] + pb * elem, base[p] + pb * elem, (pe - pb) * elem);
+    }
+    barrier();
+  }
+
+  std::vector<char*> bases(const Region& region, const OpDesc& d) const {
+    std::vector<char*> base(size);
+    for (int p = 0; p < size; ++p) {
+      base[p] = (p == rank ? region.own.data() : region.peers[p].data()) + d.offset;
+    }
+    return base;
   }
 
   std::shared_ptr<Region> find_region(const void* ptr, std::size_t bytes) {
@@ -727,11 +773,23 @@ torch::Tensor ShmAllreduce::alloc(std::int64_t numel, torch::ScalarType dtype) {
   return torch::from_blob(data, {numel}, [region](void*) mutable { region.reset(); }, options);
 }
 
-void ShmAllreduce::allreduce_sum(torch::Tensor& tensor) {
+void ShmAllreduce::allreduce_sum(torch::Tensor& tensor) { run(tensor, kAllreduce); }
+
+void ShmAllreduce::reduce_scatter_sum(torch::Tensor& tensor) { run(tensor, kReduceScatter); }
+
+void ShmAllreduce::all_gather(torch::Tensor& tensor) { run(tensor, kAllGather); }
+
+std::pair<std::int64_t, std::int64_t> ShmAllreduce::shard_range(std::int64_t numel, int ranks, int rank,
+                                                                std::size_t element_size) {
+  auto [b, e] = chunk_of(static_cast<std::size_t>(numel), ranks, rank, element_size);
+  return {static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)};
+}
+
+void ShmAllreduce::run(torch::Tensor& tensor, int op) {
   Impl& m = *impl_;
   if (!tensor.defined() || !tensor.device().is_cpu() || !tensor.is_contiguous() ||
       !supported(tensor.scalar_type())) {
-    fail("shm all-reduce: needs a contiguous CPU tensor of float32, bfloat16 or float16, got {}",
+    fail("shm {}: needs a contiguous CPU tensor of float32, bfloat16 or float16, got {}", op_name(op),
          tensor.defined() ? fmt::format("a {}{} {} tensor",
                                         tensor.is_contiguous() ? "" : "non-contiguous ",
                                         dtype_name(tensor.scalar_type()),
@@ -740,14 +798,26 @@ void ShmAllreduce::allreduce_sum(torch::Tensor& tensor) {
   }
   if (m.size == 1) return;
   m.check_usable();
-  const std::uint64_t c = ++m.collective;
-  if (tensor.numel() == 0) return;
-  m.where = fmt::format("collective #{}", c);
   const c10::ScalarType dtype = tensor.scalar_type();
   const std::size_t elem = tensor.element_size();
   const std::size_t nbytes = static_cast<std::size_t>(tensor.numel()) * elem;
   char* data = static_cast<char*>(tensor.data_ptr());
   std::shared_ptr<Region> region = m.find_region(data, nbytes);
+  if (op != kAllreduce && !region) {
+    // Outside shared memory the shards take the all-reduce: a reduce-scatter is an all-reduce
+    // of which each rank keeps its shard, an all-gather the sum of tensors that are zero
+    // outside each rank's shard (adding zeros is exact).
+    if (op == kAllGather) {
+      auto [b, e] = chunk_of(static_cast<std::size_t>(tensor.numel()), m.size, m.rank, elem);
+      torch::NoGradGuard no_grad;
+      tensor.slice(0, 0, static_cast<int64_t>(b)).zero_();
+      tensor.slice(0, static_cast<int64_t>(e)).zero_();
+    }
+    op = kAllreduce;
+  }
+  const std::uint64_t c = ++m.collective;
+  if (tensor.numel() == 0) return;
+  m.where = fmt::format("collective #{}", c);
 
   OpDesc d{};
   d.collective = c;
@@ -756,10 +826,15 @@ void ShmAllreduce::allreduce_sum(torch::Tensor& tensor) {
   d.in_place = region ? 1 : 0;
   d.region = region ? region->id : -1;
   d.offset = region ? static_cast<std::int64_t>(data - region->own.data()) : 0;
+  d.op = op;
   m.me()->desc[c & 1] = d;
 
   try {
-    if (nbytes <= std::min(kSmallBytes, m.slice_bytes)) {
+    if (op == kReduceScatter) {
+      m.direct_reduce_scatter(*region, d, dtype, elem);
+    } else if (op == kAllGather) {
+      m.direct_all_gather(*region, d, elem);
+    } else if (nbytes <= std::min(kSmallBytes, m.slice_bytes)) {
       m.naive(data, d, dtype, elem);
     } else if (region) {
       m.direct(*region, d, dtype, elem);

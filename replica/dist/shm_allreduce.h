@@ -35,6 +35,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 namespace replica::dist {
 
@@ -82,7 +83,21 @@ class ShmAllreduce {
   // which is checked.
   void allreduce_sum(torch::Tensor& tensor);
 
+  // The two halves of the large all-reduce, for callers that work on shards in between (DDP's
+  // sharded optimizer step). Rank r owns elements shard_range(numel, local_size, r, element
+  // size) of a tensor: contiguous chunks on cache-line boundaries (the last may be empty).
+  // reduce_scatter_sum: afterwards this rank's shard holds the sum over the local ranks; the
+  // rest of the tensor holds unspecified values. all_gather: afterwards the whole tensor holds
+  // every rank's shard. Both work in place on alloc()'ed memory, touching only the bytes they
+  // must; other tensors take the all-reduce (all_gather first zeroes what is not this rank's).
+  void reduce_scatter_sum(torch::Tensor& tensor);
+  void all_gather(torch::Tensor& tensor);
+  static std::pair<std::int64_t, std::int64_t> shard_range(std::int64_t numel, int ranks, int rank,
+                                                           std::size_t element_size);
+
  private:
+  void run(torch::Tensor& tensor, int op);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -8,6 +8,7 @@ namespace replica::dist {
 
 struct ShmTransport::Task final : Work::Impl {
   torch::Tensor tensor;
+  Op op = Op::kAllreduce;
   std::mutex mutex;
   std::condition_variable cv;
   bool finished = false;
@@ -45,9 +46,11 @@ bool ShmTransport::supports(const torch::Tensor& t) {
          (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf);
 }
 
-Work ShmTransport::submit(torch::Tensor tensor) {
+Work ShmTransport::submit(torch::Tensor tensor, Op op) {
+  if (op != Op::kAllreduce && multi_node_) fail("shm transport: reduce-scatter and all-gather are single-node only");
   auto task = std::make_shared<Task>();
   task->tensor = std::move(tensor);
+  task->op = op;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(task);
@@ -63,7 +66,9 @@ torch::Tensor ShmTransport::alloc(int64_t numel, torch::ScalarType dtype) {
   return local_->alloc(numel, dtype);
 }
 
-void ShmTransport::run(torch::Tensor& tensor) {
+void ShmTransport::run(torch::Tensor& tensor, Op op) {
+  if (op == Op::kReduceScatter) return local_->reduce_scatter_sum(tensor);
+  if (op == Op::kAllGather) return local_->all_gather(tensor);
   local_->allreduce_sum(tensor);
   if (!multi_node_) return;
   if (leaders_) {
@@ -86,7 +91,7 @@ void ShmTransport::loop() {
       busy_ = true;
     }
     try {
-      run(task->tensor);
+      run(task->tensor, task->op);
     } catch (...) {
       task->error = std::current_exception();
     }

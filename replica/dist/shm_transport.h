@@ -26,7 +26,10 @@ class ShmTransport {
   ShmTransport(std::unique_ptr<ShmAllreduce> local, std::shared_ptr<ProcessGroup> leaders, bool multi_node);
   ~ShmTransport();
 
-  Work submit(torch::Tensor tensor);
+  // What a submitted collective does (ShmAllreduce's three; the shard ones only on one node).
+  enum class Op { kAllreduce, kReduceScatter, kAllGather };
+  Work submit(torch::Tensor tensor, Op op = Op::kAllreduce);
+  bool multi_node() const { return multi_node_; }
   torch::Tensor alloc(int64_t numel, torch::ScalarType dtype);
 
   static bool supports(const torch::Tensor& t);
@@ -34,7 +37,7 @@ class ShmTransport {
  private:
   struct Task;
   void loop();
-  void run(torch::Tensor& tensor);
+  void run(torch::Tensor& tensor, Op op);
 
   std::unique_ptr<ShmAllreduce> local_;
   std::shared_ptr<ProcessGroup> leaders_;

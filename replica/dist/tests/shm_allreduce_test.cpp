@@ -303,6 +303,69 @@ TEST(ShmAllreduce, ViewOfAllocatedMemory) {
   }
 }
 
+// Reduce-scatter leaves each rank's own shard (shard_range) equal to the all-reduce's result
+// bit for bit; all-gather then completes every rank's tensor. Plain tensors take the
+// all-reduce and end the same. Sizes include empty, tiny (most ranks own nothing), odd and
+// larger than a staging slice.
+TEST(ShmAllreduce, ReduceScatterThenAllGatherEqualsAllReduce) {
+  for (int world : {2, 3, 5}) {
+    for (torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+      for (bool use_alloc : {true, false}) {
+        const std::vector<std::int64_t> sizes = {0, 1, 17, 4097, 300'001, 2'500'003};
+        std::vector<std::vector<torch::Tensor>> inputs(sizes.size());
+        std::vector<torch::Tensor> expected(sizes.size());
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          for (int r = 0; r < world; ++r) inputs[i].push_back(make_input(r, sizes[i], dtype, 50 + int(i)));
+          expected[i] = reference_sum(inputs[i]);
+        }
+        std::vector<std::vector<torch::Tensor>> shards(world), gathered(world);
+        run_ranks(world, [&](ShmAllreduce& ar, int r) {
+          for (std::size_t i = 0; i < sizes.size(); ++i) {
+            torch::Tensor t = use_alloc ? ar.alloc(sizes[i], dtype) : torch::empty({sizes[i]}, dtype);
+            t.copy_(inputs[i][r]);
+            ar.reduce_scatter_sum(t);
+            auto [b, e] = ShmAllreduce::shard_range(sizes[i], world, r, t.element_size());
+            shards[r].push_back(t.slice(0, b, e).clone());
+            ar.all_gather(t);
+            gathered[r].push_back(t);
+          }
+        });
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          std::int64_t covered = 0;
+          for (int r = 0; r < world; ++r) {
+            const std::string where = "world " + std::to_string(world) + " " + std::string(c10::toString(dtype)) +
+                                      (use_alloc ? " alloc" : " plain") + " size " + std::to_string(sizes[i]) +
+                                      " rank " + std::to_string(r);
+            ASSERT_EQ(shards[r].size(), sizes.size()) << where;
+            auto [b, e] = ShmAllreduce::shard_range(sizes[i], world, r, c10::elementSize(dtype));
+            EXPECT_EQ(b, std::min<std::int64_t>(covered, sizes[i])) << where << ": shards are contiguous";
+            covered = e;
+            EXPECT_TRUE(torch::equal(shards[r][i], expected[i].slice(0, b, e))) << where;
+            EXPECT_TRUE(torch::equal(gathered[r][i], expected[i])) << where;
+          }
+          EXPECT_EQ(covered, sizes[i]) << "the shards cover the tensor";
+        }
+      }
+    }
+  }
+}
+
+// A rank that reduce-scatters while its peer all-gathers: both fail, naming both operations.
+TEST(ShmAllreduce, MismatchedShardOperationsFailOnEveryRank) {
+  auto errors = run_ranks_errors(2, [&](ShmAllreduce& ar, int r) {
+    torch::Tensor t = ar.alloc(100'000, torch::kFloat);
+    if (r == 0) {
+      ar.reduce_scatter_sum(t);
+    } else {
+      ar.all_gather(t);
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("reduce-scatter of 100000 float32 elements"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("all-gather of 100000 float32 elements"), std::string::npos) << errors[r];
+  }
+}
+
 // Same inputs through Gloo: with two ranks a+b == b+a, so the results are identical; with
 // three, equal up to summation order.
 TEST(ShmAllreduce, AgreesWithGloo) {
