@@ -12,7 +12,10 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
+#include <map>
 #include <numeric>
+#include <sstream>
 
 namespace replica::ddp {
 
@@ -108,6 +111,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     names_.push_back(item.key());
   }
   if (pg_->size() <= 1) return;  // world size 1: no hooks, no buckets, no cost
+  sharded_ = options_.shard_optimizer;
 
   std::vector<size_t> reverse(params_.size());
   std::iota(reverse.rbegin(), reverse.rend(), 0);
@@ -117,6 +121,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                                static_cast<size_t>(options_.first_bucket_cap_mb * 1024 * 1024),
                                static_cast<size_t>(options_.bucket_cap_mb * 1024 * 1024)));
   ready_.assign(params_.size(), false);
+  if (sharded_) {
+    rebuilt_ = true;  // the shards must stay where the optimizer saw them
+    build_shards();
+  }
 
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -146,6 +154,7 @@ DistributedDataParallel::~DistributedDataParallel() {
 
 void DistributedDataParallel::register_comm_hook(CommHook hook) {
   if (!hook) fail("register_comm_hook: empty hook");
+  if (sharded_) fail("register_comm_hook: not with shard_optimizer (its buckets are reduce-scattered)");
   hook_ = std::move(hook);
 }
 
@@ -237,8 +246,20 @@ void DistributedDataParallel::launch_ready_buckets() {
   // Strictly in bucket order: collectives must be issued in the same order on every rank.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& bucket = buckets_[next_bucket_];
-    GradBucket view{next_bucket_, bucket.buffer, bucket.params, next_bucket_ + 1 == buckets_.size()};
-    bucket.complete = hook_(*pg_, view);
+    if (sharded_) {
+      // Half an all-reduce: this worker only needs the average of its own shard.
+      auto work = std::make_shared<dist::Work>(pg_->reduce_scatter_sum(bucket.buffer));
+      const auto [begin, end] = pg_->shard_range(bucket.buffer.numel(), bucket.buffer.scalar_type(), pg_->rank());
+      torch::Tensor own = bucket.buffer.slice(0, begin, end);
+      const int64_t world = pg_->size();
+      bucket.complete = [work, own, world]() mutable {
+        work->wait();
+        own.div_(world);
+      };
+    } else {
+      GradBucket view{next_bucket_, bucket.buffer, bucket.params, next_bucket_ + 1 == buckets_.size()};
+      bucket.complete = hook_(*pg_, view);
+    }
     bucket.launched_us = obs::Timeline::instance().enabled() ? obs::Timeline::now_us() : -1;
     ++next_bucket_;
   }
@@ -291,6 +312,12 @@ void DistributedDataParallel::finalize_backward() {
     }
   }
   comm_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+  // The optimizer may have reset its tensors' gradients: point them at the averaged shards.
+  for (auto& shard : shards_) {
+    if (!shard.values.grad().defined() || shard.values.grad().data_ptr() != shard.grad.data_ptr()) {
+      shard.values.mutable_grad() = shard.grad;
+    }
+  }
   const bool rebuild = !rebuilt_;
   if (options_.static_graph) static_known_ = true;
   reset_iteration();
@@ -330,6 +357,211 @@ void DistributedDataParallel::rebuild_buckets() {
                                static_cast<size_t>(options_.bucket_cap_mb * 1024 * 1024)));
   rebuilt_ = true;
   arrival_order_.clear();
+}
+
+void DistributedDataParallel::build_shards() {
+  torch::NoGradGuard no_grad;
+  shards_.clear();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    const auto& first = params_[bucket.params.front()];
+    const int64_t total = bucket.buffer.numel();
+    // The parameters move into one flat buffer per bucket (shared memory on one host), so that
+    // the all-gather after the step reads the peers' shards straight from their parameters.
+    bucket.params_flat = first.device().is_cpu() ? pg_->alloc_buffer(total, first.scalar_type())
+                                                 : torch::empty({total}, first.options().requires_grad(false));
+    const auto [own_begin, own_end] = pg_->shard_range(total, first.scalar_type(), pg_->rank());
+    int64_t offset = 0;
+    for (size_t i : bucket.params) {
+      auto& p = params_[i];
+      const int64_t n = p.numel();
+      auto values = bucket_view(bucket.params_flat, offset, p.sizes());
+      values.copy_(p.detach());
+      p.set_data(values);
+      const int64_t lo = std::max(offset, own_begin), hi = std::min(offset + n, own_end);
+      if (lo < hi) {
+        Shard shard;
+        shard.param = i;
+        shard.bucket = b;
+        shard.begin = lo - offset;
+        shard.end = hi - offset;
+        shard.values = bucket_view(bucket.params_flat, lo, {hi - lo});
+        shard.grad = bucket_view(bucket.buffer, lo, {hi - lo});
+        shard.values.mutable_grad() = shard.grad;
+        shards_.push_back(std::move(shard));
+      }
+      offset += n;
+    }
+  }
+}
+
+std::vector<torch::Tensor> DistributedDataParallel::shard_parameters() const {
+  if (!sharded_) return params_;
+  std::vector<torch::Tensor> out;
+  for (const auto& s : shards_) out.push_back(s.values);
+  return out;
+}
+
+std::vector<std::string> DistributedDataParallel::shard_names() const {
+  if (!sharded_) return names_;
+  std::vector<std::string> out;
+  for (const auto& s : shards_) out.push_back(fmt::format("{}[{}:{}]", names_[s.param], s.begin, s.end));
+  return out;
+}
+
+double DistributedDataParallel::clip_grad_norm(double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (const auto& t : shard_parameters()) {
+    if (t.grad().defined()) grads.push_back(t.grad());
+  }
+  double sum_of_squares = 0;
+  for (const auto& g : grads) {
+    const double n = g.norm(2.0).item<double>();
+    sum_of_squares += n * n;
+  }
+  if (sharded_) {
+    auto total = torch::tensor({sum_of_squares}, torch::kDouble);
+    pg_->allreduce_sum(total).wait();
+    sum_of_squares = total.item<double>();
+  }
+  const double norm = std::sqrt(sum_of_squares);
+  // torch::nn::utils::clip_grad_norm_'s rule.
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return norm;
+}
+
+void DistributedDataParallel::after_step() {
+  if (!sharded_) return;
+  std::vector<dist::Work> works;
+  {
+    obs::Span span("all-gather parameters", "comm");
+    for (auto& b : buckets_) works.push_back(pg_->all_gather_shards(b.params_flat));
+    for (auto& w : works) w.wait();
+  }
+  // The step consumed the gradients; the next backward hands its own to the buckets.
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+}
+
+namespace {
+
+// "<shard name>.<field>" -> (shard name, field): shard names end in "]".
+std::pair<std::string, std::string> split_state_name(const std::string& name) {
+  const auto at = name.rfind("].");
+  if (at == std::string::npos) fail("optimizer state '{}' does not name a parameter shard", name);
+  return {name.substr(0, at + 1), name.substr(at + 2)};
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, torch::Tensor>> DistributedDataParallel::full_optimizer_state(
+    const std::vector<std::pair<std::string, torch::Tensor>>& shard_state) {
+  if (!sharded_) return shard_state;
+  torch::NoGradGuard no_grad;
+  const auto names = shard_names();
+  std::map<std::string, size_t> shard_of;
+  for (size_t k = 0; k < names.size(); ++k) shard_of[names[k]] = k;
+  // field -> (shard -> tensor); the fields every worker has, with their kind and dtype.
+  std::map<std::string, std::map<size_t, torch::Tensor>> by_field;
+  std::map<std::string, std::string> kinds;  // field -> "e:<dtype>" per element | "s:<dtype>" scalar
+  for (const auto& [name, t] : shard_state) {
+    auto [shard, field] = split_state_name(name);
+    auto it = shard_of.find(shard);
+    if (it == shard_of.end()) fail("optimizer state '{}': no such parameter shard on rank {}", name, pg_->rank());
+    const bool scalar = t.dim() == 0;
+    if (!scalar && t.numel() != shards_[it->second].end - shards_[it->second].begin) {
+      fail("optimizer state '{}' has {} elements, its shard {}", name, t.numel(),
+           shards_[it->second].end - shards_[it->second].begin);
+    }
+    by_field[field][it->second] = t;
+    kinds[field] = fmt::format("{}:{}", scalar ? "s" : "e", static_cast<int>(t.scalar_type()));
+  }
+  std::string mine;
+  for (const auto& [field, kind] : kinds) mine += field + "=" + kind + "\n";
+  std::map<std::string, std::string> all_kinds;
+  for (const auto& text : pg_->allgather_strings(mine)) {
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) {
+      const auto eq = line.find('=');
+      if (eq != std::string::npos) all_kinds[line.substr(0, eq)] = line.substr(eq + 1);
+    }
+  }
+  std::vector<int64_t> offsets(params_.size() + 1, 0);
+  for (size_t i = 0; i < params_.size(); ++i) offsets[i + 1] = offsets[i] + params_[i].numel();
+  std::map<size_t, std::vector<std::pair<std::string, torch::Tensor>>> per_param;
+  for (const auto& [field, kind] : all_kinds) {
+    const bool scalar = kind[0] == 's';
+    const auto dtype = static_cast<torch::ScalarType>(std::stoi(kind.substr(2)));
+    const auto& mine_of_field = by_field[field];
+    // Which parameters have this field anywhere (a worker may hold none of a parameter).
+    auto present = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kDouble);
+    torch::Tensor values;
+    if (scalar) {
+      // Taken from the worker whose shard starts the parameter.
+      values = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kDouble);
+      for (const auto& [k, t] : mine_of_field) {
+        present[static_cast<int64_t>(shards_[k].param)] = 1.0;
+        if (shards_[k].begin == 0) values[static_cast<int64_t>(shards_[k].param)] = t.item<double>();
+      }
+    } else {
+      values = torch::zeros({offsets.back()}, torch::kFloat);
+      for (const auto& [k, t] : mine_of_field) {
+        const Shard& s = shards_[k];
+        present[static_cast<int64_t>(s.param)] = 1.0;
+        values.slice(0, offsets[s.param] + s.begin, offsets[s.param] + s.end).copy_(t.reshape({-1}));
+      }
+    }
+    pg_->allreduce_sum(present).wait();
+    pg_->allreduce_sum(values).wait();
+    auto seen = present.accessor<double, 1>();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (seen[static_cast<int64_t>(i)] == 0) continue;
+      torch::Tensor full = scalar ? values[static_cast<int64_t>(i)].to(dtype).clone()
+                                  : values.slice(0, offsets[i], offsets[i + 1]).view(params_[i].sizes()).to(dtype).clone();
+      per_param[i].emplace_back(names_[i] + "." + field, std::move(full));
+    }
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& [i, entries] : per_param) {
+    for (auto& e : entries) out.push_back(std::move(e));
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> DistributedDataParallel::shard_optimizer_state(
+    const std::vector<std::pair<std::string, torch::Tensor>>& full_state) const {
+  if (!sharded_) return full_state;
+  std::map<std::string, size_t> param_of;
+  for (size_t i = 0; i < names_.size(); ++i) param_of[names_[i]] = i;
+  std::map<size_t, std::vector<std::pair<std::string, torch::Tensor>>> fields;  // param -> (field, full)
+  for (const auto& [name, t] : full_state) {
+    // "<parameter>.<field>": the longest parameter name that prefixes it.
+    const auto dot = name.rfind('.');
+    if (dot == std::string::npos) continue;
+    auto it = param_of.find(name.substr(0, dot));
+    if (it == param_of.end()) continue;  // load_optimizer_state reports what is missing
+    fields[it->second].emplace_back(name.substr(dot + 1), t);
+  }
+  const auto names = shard_names();
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    const Shard& s = shards_[k];
+    for (const auto& [field, t] : fields[s.param]) {
+      if (t.dim() == 0) {
+        out.emplace_back(names[k] + "." + field, t);
+      } else {
+        if (t.numel() != params_[s.param].numel()) {
+          fail("optimizer state '{}.{}' has shape {} but the parameter has {}", names_[s.param], field,
+               c10::str(t.sizes()), c10::str(params_[s.param].sizes()));
+        }
+        out.emplace_back(names[k] + "." + field, t.reshape({-1}).slice(0, s.begin, s.end).clone());
+      }
+    }
+  }
+  return out;
 }
 
 void DistributedDataParallel::pre_forward() {

@@ -25,6 +25,22 @@
 //   loss.backward();                 // all-reduce overlaps this
 //   optimizer.step();                // gradients are already averaged
 //
+// Sharded optimizer step (DDPOptions::shard_optimizer; ZeRO stage 2 inside DDP, like PyTorch's
+// ZeroRedundancyOptimizer with DDP): with N workers each worker updates only 1/N of the
+// parameters. Every bucket's parameters also live in one flat buffer (from the process group:
+// shared memory on one host), the gradient buckets are reduce-scattered instead of all-reduced
+// (each worker gets the average of its own shard only), the optimizer steps shard_parameters()
+// (1-D views of this worker's shard of every parameter, .grad the averaged gradient shard),
+// and after_step() all-gathers the updated shards. The optimizer state is 1/N per worker and
+// the optimizer's memory traffic per worker falls by N, which is what limits the step on a
+// memory-bound host; the result equals unsharded DDP up to float rounding (bit for bit with
+// two workers and SGD). Buckets are not rebuilt in this mode (the shards must stay put).
+//   auto optimizer = make_optimizer(spec, ddp.shard_parameters());
+//   loss.backward();                 // reduce-scatter overlaps this
+//   ddp.clip_grad_norm(max_norm);    // global norm over the shards (optional)
+//   optimizer->step();
+//   ddp.after_step();                // all-gather; resets the model's gradients
+//
 // Thread-safety: one training thread per instance; hooks may run on autograd threads.
 #pragma once
 
@@ -51,6 +67,8 @@ struct DDPOptions {
   // starts, so their buckets do not wait for the end of backward. Implies that unused
   // parameters are allowed.
   bool static_graph = false;
+  // Each worker steps only its shard of the parameters (see the top of this file).
+  bool shard_optimizer = false;
 };
 
 // One bucket as a communication hook sees it.
@@ -105,7 +123,33 @@ class DistributedDataParallel {
   };
   NoSync no_sync() { return NoSync(*this); }
 
+  // Replaces the default averaging hook (not with shard_optimizer: its buckets are reduce-
+  // scattered, not all-reduced).
   void register_comm_hook(CommHook hook);
+
+  // What the optimizer steps: with shard_optimizer at world size > 1, this worker's shards
+  // (1-D tensors over the parameters' memory, named "<parameter>[begin:end]" over its flat
+  // elements); otherwise the trainable parameters themselves, by name.
+  std::vector<torch::Tensor> shard_parameters() const;
+  std::vector<std::string> shard_names() const;
+  bool sharded() const { return sharded_; }
+  // Global-norm clipping over shard_parameters()' gradients (torch::nn::utils::clip_grad_norm_'s
+  // formula; max_norm infinity only measures); returns the norm before clipping. Collective
+  // when sharded.
+  double clip_grad_norm(double max_norm);
+  // After optimizer.step() when sharded: every worker's updated shards are all-gathered into
+  // every parameter, and the model's gradients reset to undefined (the step consumed them).
+  // A no-op when not sharded. Collective.
+  void after_step();
+  // Optimizer state of shard_parameters() ("<shard name>.<field>") to and from the full
+  // state of the parameters ("<parameter>.<field>"), for checkpoints that any world size can
+  // load. Per-element fields (shaped like the shard) are gathered; 0-dim fields (AdamW's step)
+  // are taken from the worker owning the parameter's first element. Both collective when
+  // sharded, identity otherwise.
+  std::vector<std::pair<std::string, torch::Tensor>> full_optimizer_state(
+      const std::vector<std::pair<std::string, torch::Tensor>>& shard_state);
+  std::vector<std::pair<std::string, torch::Tensor>> shard_optimizer_state(
+      const std::vector<std::pair<std::string, torch::Tensor>>& full_state) const;
 
   // Buckets as indices into trainable_parameters(), in launch order (for tests and logs).
   std::vector<std::vector<size_t>> bucket_assignment() const;
@@ -123,6 +167,14 @@ class DistributedDataParallel {
     size_t pending = 0;
     std::function<void()> complete;  // set once launched
     int64_t launched_us = -1;        // timeline only: when the all-reduce was launched
+    torch::Tensor params_flat;       // shard_optimizer: the parameters' memory
+  };
+  // shard_optimizer: this worker's part of one parameter.
+  struct Shard {
+    size_t param = 0;
+    size_t bucket = 0;
+    int64_t begin = 0, end = 0;      // within the parameter's flat elements
+    torch::Tensor values, grad;      // 1-D views of the parameter and its bucket gradient
   };
   struct Slot {
     size_t bucket = 0;
@@ -136,6 +188,7 @@ class DistributedDataParallel {
   void reset_iteration();
   void rebuild_buckets();
   void mark_unused_ready(size_t param);
+  void build_shards();
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<dist::ProcessGroup> pg_;
@@ -158,6 +211,8 @@ class DistributedDataParallel {
   std::vector<size_t> static_unused_;  // static_graph: parameters unused in the first step
   bool static_known_ = false;
   double comm_wait_seconds_ = 0;
+  bool sharded_ = false;
+  std::vector<Shard> shards_;
 };
 
 }  // namespace replica::ddp

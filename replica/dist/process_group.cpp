@@ -9,6 +9,8 @@
 
 #include <unistd.h>
 
+#include <cstring>
+
 #include <spdlog/spdlog.h>
 
 #include <thread>
@@ -219,6 +221,24 @@ Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, in
   Work work = shm_->submit(tensor, ShmTransport::Op::kAllGather);
   if (!monitor_) return work;
   return Work(std::make_shared<MonitoredWork>(std::move(work), monitor_, seq));
+}
+
+std::vector<std::string> ProcessGroup::allgather_strings(const std::string& mine, const char* file, int line) {
+  if (size() <= 1) return {mine};
+  torch::Tensor length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
+  std::vector<torch::Tensor> lengths;
+  allgather(lengths, length, file, line);
+  int64_t longest = 1;
+  for (auto& t : lengths) longest = std::max(longest, t.item<int64_t>());
+  torch::Tensor bytes = torch::zeros({longest}, torch::kUInt8);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  std::vector<torch::Tensor> all;
+  allgather(all, bytes, file, line);
+  std::vector<std::string> out;
+  for (size_t r = 0; r < all.size(); ++r) {
+    out.emplace_back(static_cast<const char*>(all[r].data_ptr()), static_cast<size_t>(lengths[r].item<int64_t>()));
+  }
+  return out;
 }
 
 std::string ProcessGroup::transport() const {

@@ -104,6 +104,9 @@ class ProcessGroup {
   // out[r] = rank r's `in` (same shape on every rank).
   void allgather(std::vector<torch::Tensor>& out, const torch::Tensor& in, const char* file = __builtin_FILE(),
                  int line = __builtin_LINE());
+  // Every rank's string, by rank (small control messages: names, field lists, traces).
+  std::vector<std::string> allgather_strings(const std::string& mine, const char* file = __builtin_FILE(),
+                                             int line = __builtin_LINE());
   void barrier(const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
   // Key-value store of the rendezvous (small control messages, e.g. bucket orders).

@@ -267,6 +267,7 @@ const std::vector<ParamField>& param_fields() {
     f.push_back(plain("stage3_max_live_parameters", &Params::stage3_max_live_parameters));
     f.push_back(plain("reduce_bucket_size", &Params::reduce_bucket_size));
     f.push_back(plain("overlap_comm", &Params::overlap_comm));
+    f.push_back(plain("shard_optimizer", &Params::shard_optimizer));
     f.push_back({"token",
                  [](Params& p, const YAML::Node& n, const std::string& key, const Context& ctx) {
                    p.token = read_string(n, key, ctx);
@@ -722,7 +723,7 @@ bool operator==(const Params& a, const Params& b) {
     return std::tie(p.distributed_backend, p.nproc_per_node, p.master_addr, p.master_port, p.rdzv_timeout,
                     p.collective_timeout, p.max_restarts, p.deterministic, p.stage3_prefetch_bucket_size,
                     p.stage3_param_persistence_threshold, p.stage3_max_live_parameters, p.reduce_bucket_size,
-                    p.overlap_comm, p.token, p.epochs, p.max_steps,
+                    p.overlap_comm, p.shard_optimizer, p.token, p.epochs, p.max_steps,
                     p.batch_size, p.gradient_accumulation, p.mixed_precision, p.optimizer, p.lr, p.momentum,
                     p.weight_decay, p.warmup_steps, p.warmup_ratio, p.scheduler, p.max_grad_norm, p.shuffle,
                     p.seed, p.eval_every, p.checkpoint_every, p.save_total_limit, p.threads_per_worker,

@@ -39,6 +39,9 @@ struct Params {
   double stage3_max_live_parameters = 1e9;          // elements gathered at once
   double reduce_bucket_size = 5e8;                  // accepted (each layer is reduced whole)
   bool overlap_comm = true;                         // prefetch the next layer's gather
+  // DDP: each worker steps only its 1/N shard of the parameters (reduce-scatter, sharded
+  // optimizer state, all-gather; ZeRO stage 2 inside DDP). Same result as plain DDP.
+  bool shard_optimizer = false;
 
   // Training loop.
   int epochs = 1;

@@ -77,6 +77,7 @@ nlohmann::json params_json(const io::RunConfig& c) {
       {"threads_per_worker", p.threads_per_worker},
       {"deterministic", p.deterministic},
       {"hidden_sizes", p.hidden_sizes},
+      {"shard_optimizer", p.shard_optimizer},
       {"sync_batchnorm", p.sync_batchnorm},
       {"augment", p.augment},
       {"resnet_stem", p.resnet_stem},
@@ -204,20 +205,8 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 void write_timeline(dist::ProcessGroup& pg, const std::string& file) {
   const std::string mine = obs::Timeline::instance().take_chrome_trace_events();
   obs::Timeline::instance().disable();
-  torch::Tensor size = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
-  std::vector<torch::Tensor> sizes;
-  pg.allgather(sizes, size);
-  int64_t longest = 0;
-  for (auto& t : sizes) longest = std::max(longest, t.item<int64_t>());
-  torch::Tensor bytes = torch::zeros({longest}, torch::kUInt8);
-  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  std::vector<torch::Tensor> all;
-  pg.allgather(all, bytes);
+  std::vector<std::string> ranks = pg.allgather_strings(mine);
   if (pg.rank() != 0) return;
-  std::vector<std::string> ranks;
-  for (size_t r = 0; r < all.size(); ++r) {
-    ranks.emplace_back(static_cast<const char*>(all[r].data_ptr()), static_cast<size_t>(sizes[r].item<int64_t>()));
-  }
   const fs::path path(file);
   if (path.has_parent_path()) fs::create_directories(path.parent_path());
   write_file(path, obs::merge_chrome_trace(ranks));
@@ -322,8 +311,12 @@ int run_worker(const io::RunConfig& config) {
     zopt.overlap_comm = p.overlap_comm;
     zero = std::make_unique<zero::Zero3>(model, pg, zopt);
   } else {
-    ddp = std::make_unique<ddp::DistributedDataParallel>(model, pg);
+    ddp::DDPOptions dopt;
+    dopt.shard_optimizer = p.shard_optimizer;
+    ddp = std::make_unique<ddp::DistributedDataParallel>(model, pg, dopt);
   }
+  // shard_optimizer: DDP hands the optimizer this worker's shards instead of the parameters.
+  const bool ddp_sharded = ddp && ddp->sharded();
 
   std::vector<torch::Tensor> params;
   std::vector<std::string> names;
@@ -335,6 +328,9 @@ int run_worker(const io::RunConfig& config) {
   if (zero) {
     params = zero->shard_parameters();
     names = zero->shard_names();
+  } else if (ddp_sharded) {
+    params = ddp->shard_parameters();
+    names = ddp->shard_names();
   }
   OptimizerSpec spec{p.optimizer, p.lr, p.momentum, p.weight_decay};
   auto optimizer = make_optimizer(spec, params);
@@ -365,7 +361,8 @@ int run_worker(const io::RunConfig& config) {
       }
     } else {
       workload->load_state_tensors(ckpt.model, dir + "/" + workload->checkpoint_model_file());
-      load_optimizer_state(*optimizer, p.optimizer, params, names, ckpt.optimizer);
+      // Checkpoints hold the full optimizer state; a sharded DDP takes its shards of it.
+      load_optimizer_state(*optimizer, p.optimizer, params, names, ddp->shard_optimizer_state(ckpt.optimizer));
     }
     state = ckpt.state;
     state.batch_size = p.batch_size;
@@ -466,6 +463,9 @@ int run_worker(const io::RunConfig& config) {
       zero::save_shards(staged.string(), *zero, optimizer_state(*optimizer, p.optimizer, params, names));
       pg->barrier();
     }
+    // Sharded DDP: the full optimizer state, gathered from every worker's shards (collective).
+    io::NamedTensors sharded_state;
+    if (ddp_sharded) sharded_state = ddp->full_optimizer_state(optimizer_state(*optimizer, p.optimizer, params, names));
     if (!main) return;
     Checkpoint c;
     c.state = state;
@@ -475,7 +475,7 @@ int run_worker(const io::RunConfig& config) {
     if (!zero) c.model = workload->state_tensors();
     c.model_file = workload->checkpoint_model_file();
     c.extras = [&](const std::string& dir) { workload->write_checkpoint_extras(dir); };
-    c.optimizer = optimizer_state(*optimizer, p.optimizer, params, names);
+    c.optimizer = ddp_sharded ? std::move(sharded_state) : optimizer_state(*optimizer, p.optimizer, params, names);
     if (zero) {
       c.model.clear();
       c.optimizer.clear();
@@ -584,6 +584,11 @@ int run_worker(const io::RunConfig& config) {
             grad_norm = zero->clip_grad_norm(p.max_grad_norm > 0 ? p.max_grad_norm
                                                                  : std::numeric_limits<double>::infinity());
           }
+        } else if (ddp_sharded) {
+          if (p.max_grad_norm > 0 || log_step) {
+            grad_norm = ddp->clip_grad_norm(p.max_grad_norm > 0 ? p.max_grad_norm
+                                                                : std::numeric_limits<double>::infinity());
+          }
         } else if (p.max_grad_norm > 0) {
           grad_norm = torch::nn::utils::clip_grad_norm_(params, p.max_grad_norm);
         } else if (log_step) {
@@ -591,6 +596,7 @@ int run_worker(const io::RunConfig& config) {
         }
         optimizer->step();
         if (zero) zero->after_step();
+        if (ddp_sharded) ddp->after_step();  // all-gather the updated shards
       }
       split.optimizer += since(optimizer_start);
       state.micro_step += group;
@@ -699,9 +705,9 @@ int run_worker(const io::RunConfig& config) {
       param_bytes += t.numel() * static_cast<int64_t>(t.element_size());
       if (t.requires_grad()) grad_bytes += t.numel() * static_cast<int64_t>(t.element_size());
     }
-    spdlog::info("rank {}: backend ddp, per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
+    spdlog::info("rank {}: backend ddp{}, per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
                  "{:.1f} MiB optimizer = {:.1f} MiB; peak RSS {:.1f} MiB",
-                 pg->rank(), param_bytes / MiB, grad_bytes / MiB, optimizer_bytes / MiB,
+                 pg->rank(), ddp_sharded ? " (sharded optimizer)" : "", param_bytes / MiB, grad_bytes / MiB, optimizer_bytes / MiB,
                  (param_bytes + grad_bytes + optimizer_bytes) / MiB, usage.ru_maxrss / 1024.0);
   }
   if (zero) {
