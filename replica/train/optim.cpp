@@ -8,10 +8,128 @@
 
 namespace replica::train {
 
+namespace {
+
+// One pass of SGD over [begin, end) (the semantics of torch::optim::SGD::step for one
+// parameter). Each variant is its own branch-free loop, so that the compiler vectorizes it;
+// noinline keeps the __restrict promises, which GCC loses when it inlines the loop into the
+// parallel_for lambda (and then leaves it scalar).
+template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
+__attribute__((noinline)) void sgd_loop(float* __restrict p, const float* __restrict g, float* __restrict b, int64_t begin, int64_t end,
+              float lr, float weight_decay, float momentum, float keep) {
+  for (int64_t i = begin; i < end; ++i) {
+    float d = g[i];
+    if constexpr (kDecay) d += weight_decay * p[i];
+    if constexpr (kMomentum) {
+      float buf;
+      if constexpr (kFirst) {
+        buf = d;  // the buffer starts as the gradient
+      } else {
+        buf = momentum * b[i] + keep * d;
+      }
+      b[i] = buf;
+      if constexpr (kNesterov) {
+        d += momentum * buf;
+      } else {
+        d = buf;
+      }
+    }
+    p[i] -= lr * d;
+  }
+}
+
+template <bool kDecay, bool kMomentum, bool kFirst>
+void sgd_loop(bool nesterov, float* p, const float* g, float* b, int64_t begin, int64_t end, float lr,
+              float weight_decay, float momentum, float keep) {
+  if (nesterov) return sgd_loop<kDecay, kMomentum, kFirst, true>(p, g, b, begin, end, lr, weight_decay, momentum, keep);
+  sgd_loop<kDecay, kMomentum, kFirst, false>(p, g, b, begin, end, lr, weight_decay, momentum, keep);
+}
+
+template <bool kDecay>
+void sgd_loop(bool momentum_on, bool first, bool nesterov, float* p, const float* g, float* b, int64_t begin,
+              int64_t end, float lr, float weight_decay, float momentum, float keep) {
+  if (!momentum_on) return sgd_loop<kDecay, false, false, false>(p, g, b, begin, end, lr, weight_decay, momentum, keep);
+  if (first) return sgd_loop<kDecay, true, true>(nesterov, p, g, b, begin, end, lr, weight_decay, momentum, keep);
+  sgd_loop<kDecay, true, false>(nesterov, p, g, b, begin, end, lr, weight_decay, momentum, keep);
+}
+
+// `first`: no momentum buffer yet. Chunks run on the intra-op threads.
+void fused_sgd_update(float* p, const float* g, float* b, int64_t n, float lr, float weight_decay, float momentum,
+                      float dampening, bool nesterov, bool first) {
+  const float keep = 1.0f - dampening;
+  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+    if (weight_decay != 0.0f) {
+      sgd_loop<true>(momentum != 0.0f, first, nesterov, p, g, b, begin, end, lr, weight_decay, momentum, keep);
+    } else {
+      sgd_loop<false>(momentum != 0.0f, first, nesterov, p, g, b, begin, end, lr, weight_decay, momentum, keep);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor FusedSGD::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups_) {
+    const auto& options = static_cast<const torch::optim::SGDOptions&>(group.options());
+    const auto lr = static_cast<float>(options.lr());
+    const auto weight_decay = static_cast<float>(options.weight_decay());
+    const auto momentum = static_cast<float>(options.momentum());
+    const auto dampening = static_cast<float>(options.dampening());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      const torch::Tensor& g = p.grad();
+      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      auto it = state_.find(key);
+      const bool first = it == state_.end();
+      torch::Tensor buf;
+      if (!first) buf = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
+      const bool fusable = p.scalar_type() == torch::kFloat && g.scalar_type() == torch::kFloat &&
+                           p.is_contiguous() && g.is_contiguous() && g.numel() == p.numel() && !g.is_sparse() &&
+                           p.device().is_cpu() && g.device().is_cpu() &&
+                           (momentum == 0.0f || first ||
+                            (buf.defined() && buf.scalar_type() == torch::kFloat && buf.is_contiguous() &&
+                             buf.numel() == p.numel()));
+      if (!fusable) {
+        // LibTorch's own step for this parameter (torch::optim::SGD::step's body).
+        auto d_p = g;
+        if (weight_decay != 0) d_p = d_p.add(p, weight_decay);
+        if (momentum != 0) {
+          if (first) {
+            buf = torch::clone(d_p).detach();
+            auto state = std::make_unique<torch::optim::SGDParamState>();
+            state->momentum_buffer(buf);
+            state_[key] = std::move(state);
+          } else {
+            buf.mul_(momentum).add_(d_p, 1 - dampening);
+          }
+          d_p = options.nesterov() ? d_p.add(buf, momentum) : buf;
+        }
+        p.add_(d_p, -1 * options.lr());
+        continue;
+      }
+      if (momentum != 0.0f && first) {
+        buf = torch::empty_like(p, torch::MemoryFormat::Contiguous);
+        auto state = std::make_unique<torch::optim::SGDParamState>();
+        state->momentum_buffer(buf);
+        state_[key] = std::move(state);
+      }
+      fused_sgd_update(p.data_ptr<float>(), g.data_ptr<float>(), momentum != 0.0f ? buf.data_ptr<float>() : nullptr,
+                       p.numel(), lr, weight_decay, momentum, dampening, options.nesterov(), first);
+    }
+  }
+  return loss;
+}
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params) {
   if (spec.name == "sgd") {
-    return std::make_unique<torch::optim::SGD>(
+    return std::make_unique<FusedSGD>(
         params, torch::optim::SGDOptions(spec.lr).momentum(spec.momentum).weight_decay(spec.weight_decay));
   }
   if (spec.name == "adamw") {

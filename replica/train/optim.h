@@ -5,6 +5,7 @@
 #include "replica/io/safetensors.h"
 
 #include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
 
 #include <memory>
 #include <string>
@@ -19,7 +20,20 @@ struct OptimizerSpec {
   double weight_decay = 0.0;
 };
 
-// The optimizer over `params` (trainable parameters, in the order of `names`).
+// torch::optim::SGD with a fused step: for contiguous float32 parameters, gradient and
+// momentum buffer, weight decay, momentum and the update are one pass over memory (read g, b,
+// p; write b, p) instead of LibTorch's three kernels (eight passes). The optimizer step of a
+// large model on a CPU is memory-bound, so this is ~1.6x less time. Same state (SGDParamState),
+// same arithmetic up to float rounding (LibTorch's kernels use fused multiply-adds on AVX2;
+// this loop rounds each operation). Other dtypes and layouts take torch::optim::SGD's step.
+class FusedSGD : public torch::optim::SGD {
+ public:
+  using torch::optim::SGD::SGD;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+// The optimizer over `params` (trainable parameters, in the order of `names`): FusedSGD or
+// torch::optim::AdamW.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params);
 
