@@ -3,6 +3,7 @@
 # runs in one sitting. Prints samples/s of each side, the ratio, and each side's scaling
 # efficiency (world-2 samples/s over twice world-1 samples/s). See bench/README.md.
 #   bench/compare.sh [ROUNDS] [small|large|all]
+# REPLICA_BENCH_ARGS adds flags to replica's side (e.g. --shard-optimizer, --torch-sgd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
@@ -22,8 +23,8 @@ port=29700
 sps() { sed -n 's/.*samples\/s=\([0-9.]*\).*/\1/p'; }
 run_peer() { port=$((port + 1)); "$PEER/spawn.sh" "$1" $port /usr/bin/python3 "$PEER/ddp_mlp.py" $2 2>/dev/null | sps; }
 run_replica() {
-  if [ "$1" = 1 ]; then OMP_NUM_THREADS=1 "$BIN/bench/bench_ddp_mlp" $2 | sps
-  else "$BIN/replica" launch --nproc-per-node "$1" --threads-per-worker 1 -- "$BIN/bench/bench_ddp_mlp" $2 | sps; fi
+  if [ "$1" = 1 ]; then OMP_NUM_THREADS=1 "$BIN/bench/bench_ddp_mlp" $2 ${REPLICA_BENCH_ARGS:-} | sps
+  else "$BIN/replica" launch --nproc-per-node "$1" --threads-per-worker 1 -- "$BIN/bench/bench_ddp_mlp" $2 ${REPLICA_BENCH_ARGS:-} | sps; fi
 }
 median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 

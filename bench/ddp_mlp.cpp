@@ -1,11 +1,13 @@
 // replica's side of ../shared/bench/ddp_mlp.py: the same MLP, per-rank batch, steps, warm-up,
 // threads and data (Fashion-MNIST), trained through replica's DistributedDataParallel.
 // usage: replica launch --nproc-per-node W -- bench_ddp_mlp --hidden 1024 --layers 2 --batch 128 --steps 200
+//        [--shard-optimizer] [--torch-sgd]
 // Rank 0 prints: peer=replica world=.. params=.. batch/rank=.. steps/s=.. samples/s=.. loss=..
 #include "replica/core/system.h"
 #include "replica/data/fashion_mnist.h"
 #include "replica/ddp/ddp.h"
 #include "replica/dist/process_group.h"
+#include "replica/train/optim.h"
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
@@ -17,6 +19,7 @@
 
 int main(int argc, char** argv) {
   int hidden = 1024, layers = 2, batch = 128, steps = 200, warmup = 20, threads = 1;
+  bool shard_optimizer = false, torch_sgd = false;
   CLI::App app{"replica's side of ../shared/bench/ddp_mlp.py"};
   app.add_option("--hidden", hidden, "Hidden width")->capture_default_str();
   app.add_option("--layers", layers, "Hidden layers")->capture_default_str();
@@ -24,6 +27,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "Timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads per rank")->capture_default_str();
+  app.add_flag("--shard-optimizer", shard_optimizer, "DDP steps 1/N of the parameters per rank (params.shard_optimizer)");
+  app.add_flag("--torch-sgd", torch_sgd, "torch::optim::SGD instead of replica's FusedSGD (the trainer's sgd)");
   CLI11_PARSE(app, argc, argv);
   replica::set_compute_threads(threads);
   replica::keep_freed_memory_in_process();
@@ -44,18 +49,28 @@ int main(int argc, char** argv) {
     in = hidden;
   }
   model->push_back(torch::nn::Linear(in, 10));
-  replica::ddp::DistributedDataParallel ddp(model.ptr(), pg);
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  replica::ddp::DDPOptions ddp_options;
+  ddp_options.shard_optimizer = shard_optimizer;
+  replica::ddp::DistributedDataParallel ddp(model.ptr(), pg, ddp_options);
+  const auto sgd_options = torch::optim::SGDOptions(0.05).momentum(0.9);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (torch_sgd) {
+    opt = std::make_unique<torch::optim::SGD>(ddp.shard_parameters(), sgd_options);
+  } else {
+    opt = std::make_unique<replica::train::FusedSGD>(ddp.shard_parameters(), sgd_options);
+  }
+  std::vector<torch::Tensor> stepped = ddp.shard_parameters();
   const int64_t n = X.size(0);
   auto gen = at::detail::createCPUGenerator(1);
 
   torch::Tensor loss;
   auto step = [&] {
     auto idx = torch::randint(0, n, {static_cast<int64_t>(batch) * size}, gen).slice(0, rank * batch, (rank + 1) * batch);
-    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none=True), as the peer
+    for (auto& p : stepped) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none=True), as the peer
     loss = torch::nn::functional::cross_entropy(model->forward(X.index_select(0, idx)), Y.index_select(0, idx));
     loss.backward();
-    opt.step();
+    opt->step();
+    ddp.after_step();  // sharded: all-gather the parameters (a no-op otherwise)
   };
   for (int i = 0; i < warmup; ++i) step();
   pg->barrier();
