@@ -33,7 +33,8 @@ std::shared_ptr<MdsCommand> add_mds_command(CLI::App& mds) {
       ->capture_default_str();
 
   c->synthetic = mds.add_subcommand("synthetic", "Write the synthetic recommender data set (planted user/item "
-                                                 "clusters) as MDS: OUT/train and OUT/valid");
+                                                 "clusters): OUT/train and OUT/valid as MDS, or OUT/train.jsonl "
+                                                 "and OUT/valid.jsonl");
   auto& r = c->recsys;
   c->synthetic->add_option("--out,out", c->out, "Output directory")->required();
   c->synthetic->add_option("--users", r.users, "Users")->capture_default_str();
@@ -44,7 +45,11 @@ std::shared_ptr<MdsCommand> add_mds_command(CLI::App& mds) {
   c->synthetic->add_option("--affinity", r.affinity, "Probability that an interaction is in the user's cluster")
       ->capture_default_str();
   c->synthetic->add_option("--seed", r.seed, "Random seed")->capture_default_str();
-  c->synthetic->add_option("--compression", c->compression, "none, zstd or zstd:LEVEL")->capture_default_str();
+  c->synthetic->add_option("--compression", c->compression, "none, zstd or zstd:LEVEL (mds only)")
+      ->capture_default_str();
+  c->synthetic->add_option("--format", r.format, "mds (split directories) or jsonl (OUT/<split>.jsonl)")
+      ->check(CLI::IsMember({"mds", "jsonl"}))
+      ->capture_default_str();
   return c;
 }
 
@@ -71,8 +76,9 @@ int run_mds_command(const MdsCommand& c) {
   data::SyntheticRecsysOptions r = c.recsys;
   r.compression = options.compression;
   data::write_synthetic_recsys(c.out, r);
+  const std::string suffix = r.format == "jsonl" ? ".jsonl" : "";
   std::cout << "wrote " << r.train_samples << " training and " << r.valid_samples << " validation interactions to "
-            << c.out << "/train and " << c.out << "/valid\n";
+            << c.out << "/train" << suffix << " and " << c.out << "/valid" << suffix << "\n";
   return 0;
 }
 

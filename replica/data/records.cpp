@@ -15,10 +15,10 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::vector<nlohmann::json> read_jsonl(const std::string& file) {
+std::vector<NumberedRecord> read_jsonl(const std::string& file) {
   std::ifstream in(file);
   if (!in) fail("cannot open {}", file);
-  std::vector<nlohmann::json> out;
+  std::vector<NumberedRecord> out;
   std::string line;
   size_t number = 0;
   while (std::getline(in, line)) {
@@ -32,14 +32,14 @@ std::vector<nlohmann::json> read_jsonl(const std::string& file) {
       fail("{}:{}: not valid JSON: {}", file, number, e.what());
     }
     if (!j.is_object()) fail("{}:{}: each line must be a JSON object, got {}", file, number, j.type_name());
-    out.push_back(std::move(j));
+    out.push_back({std::move(j), number});
   }
   return out;
 }
 
 // RFC 4180: fields separated by commas, quoted with double quotes, "" inside quotes is a quote,
 // quoted fields may hold newlines.
-std::vector<nlohmann::json> read_csv(const std::string& file) {
+std::vector<NumberedRecord> read_csv(const std::string& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) fail("cannot open {}", file);
   std::stringstream buffer;
@@ -99,7 +99,7 @@ std::vector<nlohmann::json> read_csv(const std::string& file) {
   if (!cell.empty() || !row.empty()) end_row();
   if (rows.empty()) fail("{}: empty CSV file (no header row)", file);
   const auto& header = rows[0];
-  std::vector<nlohmann::json> out;
+  std::vector<NumberedRecord> out;
   for (size_t r = 1; r < rows.size(); ++r) {
     if (rows[r].size() != header.size()) {
       fail("{}:{}: row has {} cells but the header has {}", file, row_lines[r], rows[r].size(), header.size());
@@ -116,7 +116,7 @@ std::vector<nlohmann::json> read_csv(const std::string& file) {
       }
       j[header[k]] = v;
     }
-    out.push_back(std::move(j));
+    out.push_back({std::move(j), row_lines[r]});
   }
   return out;
 }
@@ -134,10 +134,18 @@ std::string resolve_records_file(const std::string& path, const std::string& spl
   fail("data directory '{}' has no {}.jsonl or {}.csv", path, split, split);
 }
 
-std::vector<nlohmann::json> read_records(const std::string& path, const std::string& split) {
+std::vector<NumberedRecord> read_numbered_records(const std::string& path, const std::string& split) {
   const std::string file = resolve_records_file(path, split);
   if (ends_with(file, ".csv")) return read_csv(file);
   return read_jsonl(file);
+}
+
+std::vector<nlohmann::json> read_records(const std::string& path, const std::string& split) {
+  std::vector<NumberedRecord> numbered = read_numbered_records(path, split);
+  std::vector<nlohmann::json> out;
+  out.reserve(numbered.size());
+  for (auto& r : numbered) out.push_back(std::move(r.value));
+  return out;
 }
 
 }  // namespace replica::data

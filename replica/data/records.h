@@ -18,6 +18,15 @@ namespace replica::data {
 // cells, an unterminated quote) name the file and line.
 std::vector<nlohmann::json> read_records(const std::string& path, const std::string& split = "train");
 
+// A record and the line of its file it starts on (1-based), for errors about its values.
+struct NumberedRecord {
+  nlohmann::json value;
+  size_t line = 0;
+};
+
+// read_records with each record's line number.
+std::vector<NumberedRecord> read_numbered_records(const std::string& path, const std::string& split = "train");
+
 // The file read_records would read for (path, split).
 std::string resolve_records_file(const std::string& path, const std::string& split);
 

@@ -3,8 +3,11 @@
 #include "replica/core/error.h"
 #include "replica/data/mds.h"
 
-#include <filesystem>
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <vector>
 
@@ -18,6 +21,8 @@ void write_synthetic_recsys(const std::string& out_dir, const SyntheticRecsysOpt
   }
   if (o.train_samples < 1 || o.valid_samples < 0) fail("synthetic recommender data: train must be >= 1, valid >= 0");
   if (o.affinity < 0 || o.affinity > 1) fail("synthetic recommender data: affinity {} is not in [0, 1]", o.affinity);
+  if (o.format != "mds" && o.format != "jsonl") fail("synthetic recommender data: format '{}' is not mds or jsonl", o.format);
+  if (o.format == "jsonl" && !o.compression.empty()) fail("synthetic recommender data: compression is for format mds");
   std::mt19937_64 rng(o.seed);
   auto uniform = [&](int64_t n) { return std::uniform_int_distribution<int64_t>(0, n - 1)(rng); };
   std::uniform_real_distribution<double> coin(0.0, 1.0);
@@ -45,17 +50,34 @@ void write_synthetic_recsys(const std::string& out_dir, const SyntheticRecsysOpt
   for (const auto& [split, count] : {std::pair<std::string, int64_t>{"train", o.train_samples},
                                      std::pair<std::string, int64_t>{"valid", o.valid_samples}}) {
     if (count == 0) continue;
-    const std::string dir = (std::filesystem::path(out_dir) / split).string();
-    std::error_code ec;
-    std::filesystem::remove_all(dir, ec);
-    MdsWriter writer(dir, columns, options);
+    // Both formats take the same draws, so either holds the same interactions.
+    std::vector<MdsSample> samples;
+    samples.reserve(static_cast<size_t>(count));
     for (int64_t n = 0; n < count; ++n) {
       const int64_t user = uniform(o.users);
       const auto& own = members[user_cluster[user]];
       const int64_t item = coin(rng) < o.affinity ? own[uniform(static_cast<int64_t>(own.size()))] : uniform(o.items);
-      writer.write({{"user_id", user}, {"item_id", item}, {"user_segment", user_segment[user]},
-                    {"item_category", item_cluster[item]}});
+      samples.push_back({{"user_id", user}, {"item_id", item}, {"user_segment", user_segment[user]},
+                         {"item_category", item_cluster[item]}});
     }
+    if (o.format == "jsonl") {
+      std::filesystem::create_directories(out_dir);
+      const std::string file = (std::filesystem::path(out_dir) / (split + ".jsonl")).string();
+      std::ofstream out(file, std::ios::trunc);
+      for (const auto& sample : samples) {
+        nlohmann::json j;
+        for (const auto& [name, value] : sample) j[name] = std::get<int64_t>(value);
+        out << j.dump() << '\n';
+      }
+      out.close();
+      if (!out) fail("cannot write {}", file);
+      continue;
+    }
+    const std::string dir = (std::filesystem::path(out_dir) / split).string();
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+    MdsWriter writer(dir, columns, options);
+    for (const auto& sample : samples) writer.write(sample);
     writer.finish();
   }
 }

@@ -1,4 +1,4 @@
-// Synthetic recommender interactions with planted structure, written as MDS.
+// Synthetic recommender interactions with planted structure, written as MDS or JSONL.
 //
 // Every user and every item belongs to one of `clusters` taste clusters (drawn at random).
 // An interaction picks a user uniformly; with probability `affinity` its item is drawn
@@ -7,7 +7,7 @@
 // 10 / items of random ranking (0.18 against 0.01 with the defaults).
 // Columns: user_id (int64), item_id (int64), user_segment (int32: the user's cluster, replaced
 // by a random one with probability 0.3, a noisy categorical feature) and item_category (int32:
-// the item's cluster).
+// the item's cluster). The same seed gives the same interactions in either format.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +23,12 @@ struct SyntheticRecsysOptions {
   int64_t valid_samples = 2000;
   double affinity = 0.9;
   uint64_t seed = 0;
-  std::string compression;  // "" or zstd[:LEVEL]
+  std::string compression;  // "" or zstd[:LEVEL] (MDS only)
+  std::string format = "mds";  // mds: OUT/train/ and OUT/valid/ (index.json + shards);
+                               // jsonl: OUT/train.jsonl and OUT/valid.jsonl, one object a line
 };
 
-// Writes OUT/train and OUT/valid (each index.json + shards). replica::Error for bad sizes.
+// Writes OUT/train and OUT/valid in `options.format`. replica::Error for bad sizes or format.
 void write_synthetic_recsys(const std::string& out_dir, const SyntheticRecsysOptions& options);
 
 }  // namespace replica::data

@@ -6,6 +6,11 @@
 // RandomCrop(28, padding=4) + RandomHorizontalFlip do. The next micro-batch is assembled
 // (gathered, augmented, normalised) on a background thread while the current one trains
 // (Workload::prefetch), so the workers never wait for data.
+//
+// The augmentation's random draws are counter-based: the n-th training micro-batch a worker
+// takes is augmented from a generator seeded by (seed, rank, n). Whichever thread prepares a
+// batch and whenever it does, its draws are the same, and the state to checkpoint is just n
+// (the same on every rank): a run resumed mid-epoch augments exactly as the uninterrupted run.
 #include "replica/core/error.h"
 #include "replica/data/fashion_mnist.h"
 #include "replica/ddp/sync_batchnorm.h"
@@ -13,18 +18,27 @@
 #include "replica/models/resnet.h"
 #include "replica/train/image_classification.h"
 
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <deque>
 #include <future>
-#include <mutex>
 
 namespace replica::train {
 namespace {
 
 constexpr double kFashionMnistMean = 0.2860;
 constexpr double kFashionMnistStd = 0.3530;
+constexpr const char* kAugmentCounterName = "augment_batches_taken";
+
+// SplitMix64's finaliser: neighbouring counters give unrelated seeds.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
 
 // Random crop with zero padding and horizontal flip of a [B, 1, H, W] batch in [0, 1].
 torch::Tensor augment(const torch::Tensor& x, torch::Generator& gen) {
@@ -72,10 +86,9 @@ class ImageClassification final : public Workload {
       resnet_ = models::ResNet18(options);
       module_ = resnet_.ptr();
     }
-    // Augmentation draws from its own generator, seeded per rank, so that it neither disturbs
-    // nor depends on the global generator (dropout, init) the trainer checkpoints.
-    generator_ = at::detail::createCPUGenerator(static_cast<uint64_t>(config.params.seed) * 1000003 +
-                                                static_cast<uint64_t>(pg ? pg->rank() : 0));
+    // Augmentation draws from its own generators, seeded per rank, so that it neither disturbs
+    // nor depends on the global generator (dropout, init).
+    augment_seed_ = static_cast<uint64_t>(config.params.seed) * 1000003 + static_cast<uint64_t>(pg ? pg->rank() : 0);
   }
 
   ~ImageClassification() override { pending_.clear(); }
@@ -84,25 +97,54 @@ class ImageClassification final : public Workload {
   int64_t train_size() const override { return train_.size(); }
   int64_t valid_size() const override { return valid_.labels.defined() ? valid_.size() : 0; }
 
-  // The trainer announces micro-batch k + 1 just before it asks for micro-batch k, so up to
-  // two prepared batches are kept; one asked for is taken, older ones are dropped.
+  // The trainer announces micro-batch k + 1 just before it asks for micro-batch k, so the
+  // announced batch will be the one taken after the next: its number is batches_taken_ + 1.
+  // Up to two prepared batches are kept; one asked for is taken, older ones are dropped.
   void prefetch(const std::vector<int64_t>& indices) override {
     while (pending_.size() >= 2) pending_.pop_front();  // the future's destructor waits for it
-    pending_.push_back({indices, std::async(std::launch::async, [this, indices] {
-                          return prepare(train_, indices, augment_);
+    const int64_t number = batches_taken_ + 1;
+    pending_.push_back({indices, number, std::async(std::launch::async, [this, indices, number] {
+                          return prepare(train_, indices, augment_, number);
                         })});
   }
 
   torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
+    const int64_t number = batches_taken_++;
     Batch batch;
-    auto it = std::find_if(pending_.begin(), pending_.end(), [&](const auto& p) { return p.indices == indices; });
+    // A batch prepared under another number (the trainer asked for something else than it
+    // announced) was augmented with other draws: it is dropped, not used.
+    auto it = std::find_if(pending_.begin(), pending_.end(),
+                           [&](const auto& p) { return p.number == number && p.indices == indices; });
     if (it != pending_.end()) {
       batch = it->batch.get();
       pending_.erase(pending_.begin(), it + 1);
     } else {
-      batch = prepare(train_, indices, augment_);
+      batch = prepare(train_, indices, augment_, number);
     }
     return torch::nn::functional::cross_entropy(forward(batch.x), batch.y);
+  }
+
+  io::NamedTensors rng_state() const override {
+    if (!augment_) return {};
+    return {{kAugmentCounterName, torch::tensor({batches_taken_}, torch::kLong)}};
+  }
+
+  void load_rng_state(const io::NamedTensors& tensors, const std::string& where) override {
+    if (!augment_) return;
+    auto it = std::find_if(tensors.begin(), tensors.end(), [](const auto& t) { return t.first == kAugmentCounterName; });
+    if (it == tensors.end()) {
+      spdlog::warn("{} has no '{}' (written before it was saved): augmentation restarts its random draws, so this "
+                   "run will not match an uninterrupted one bit for bit",
+                   where, kAugmentCounterName);
+      return;
+    }
+    const torch::Tensor& t = it->second;
+    if (t.scalar_type() != torch::kLong || t.numel() != 1 || t.item<int64_t>() < 0) {
+      fail("{}: tensor '{}' must be one non-negative int64 (got {} of shape {})", where, kAugmentCounterName,
+           c10::toString(t.scalar_type()), c10::str(t.sizes()));
+    }
+    pending_.clear();  // prepared under the old numbering
+    batches_taken_ = t.item<int64_t>();
   }
 
   EvalSums evaluate(const std::vector<int64_t>& indices) override {
@@ -112,7 +154,7 @@ class ImageClassification final : public Workload {
     for (size_t begin = 0; begin < indices.size(); begin += chunk) {
       std::vector<int64_t> part(indices.begin() + begin,
                                 indices.begin() + std::min(indices.size(), begin + chunk));
-      Batch batch = prepare(valid_, part, /*augment=*/false);
+      Batch batch = prepare(valid_, part, /*augment=*/false, /*number=*/0);
       auto logits = forward(batch.x);
       sums.loss_sum += torch::nn::functional::cross_entropy(
                            logits, batch.y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -138,14 +180,16 @@ class ImageClassification final : public Workload {
     torch::Tensor x, y;
   };
 
-  Batch prepare(const data::ImageDataset& dataset, const std::vector<int64_t>& indices, bool augment_batch) {
+  // `number`: which training micro-batch this is (0, 1, ... over the whole run); its
+  // augmentation draws come from a generator of its own, seeded from it.
+  Batch prepare(const data::ImageDataset& dataset, const std::vector<int64_t>& indices, bool augment_batch,
+                int64_t number) {
     auto [x, y] = data::make_batch(dataset, torch::tensor(indices, torch::kLong));
     if (kind_ == "resnet18") {
       if (augment_batch) {
-        // The generator's own mutex is taken inside each random op; this one keeps a batch's
-        // draws together when the background thread and the trainer both prepare batches.
-        std::lock_guard<std::mutex> lock(augment_mutex_);
-        x = augment(x, generator_);
+        torch::Generator generator =
+            at::detail::createCPUGenerator(mix64(augment_seed_ ^ mix64(static_cast<uint64_t>(number))));
+        x = augment(x, generator);
       }
       x = (x - kFashionMnistMean) / kFashionMnistStd;
     }
@@ -164,10 +208,11 @@ class ImageClassification final : public Workload {
   models::MLP mlp_{nullptr};
   models::ResNet18 resnet_{nullptr};
   std::shared_ptr<torch::nn::Module> module_;
-  at::Generator generator_;
-  std::mutex augment_mutex_;
+  uint64_t augment_seed_ = 0;
+  int64_t batches_taken_ = 0;  // training micro-batches taken so far: the augmentation's counter
   struct Pending {
     std::vector<int64_t> indices;
+    int64_t number = 0;  // the batches_taken_ it was prepared for
     std::future<Batch> batch;
   };
   std::deque<Pending> pending_;

@@ -380,6 +380,7 @@ int run_worker(const io::RunConfig& config) {
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(rng->second);
     }
+    workload->load_rng_state(ckpt.rng, dir + "/rng_state.safetensors");
     if (main) {
       spdlog::info("resuming from {} (step {}, epoch {}, micro-batch {}; REPLICA_RESTART_COUNT {})", dir,
                    state.global_step, state.epoch, state.micro_step, world.restart_count);
@@ -485,6 +486,7 @@ int run_worker(const io::RunConfig& config) {
       };
     }
     c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+    for (auto& t : workload->rng_state()) c.rng.push_back(std::move(t));
     save_checkpoint(config.project_name, c, p.save_total_limit);
   };
 

@@ -1,12 +1,15 @@
-// Two-tower recommender (task two-tower) on MDS shards.
+// Two-tower recommender (task two-tower) on MDS shards or JSONL.
 //
 // Data: data.path holds one MDS data set per split (data.path/<split>/index.json), or is the
-// training split itself (data.path/index.json). Each sample is one interaction: a user id
+// training split itself (data.path/index.json); or it holds <split>.jsonl (or .csv) per split,
+// or is one .jsonl file (the training split only). Each sample is one interaction: a user id
 // column (column_mapping.user_column, default user_id) and an item id column
-// (column_mapping.item_column, default item_id), both integer-encoded; every other
-// integer-encoded column whose name starts with "user_" or "item_" is a categorical feature of
-// that tower (its value is the embedding row). Ids and feature values are 0-based; the tables
-// are sized by the largest value in the training and validation splits.
+// (column_mapping.item_column, default item_id), both integers; every other integer column
+// (MDS: an integer encoding; JSONL: an integer in the first record) whose name starts with
+// "user_" or "item_" is a categorical feature of that tower (its value is the embedding row).
+// Ids and feature values are 0-based; the tables are sized by the largest value in the
+// training and validation splits. Both sources load into the same in-memory columns, so
+// everything after loading (sharding by the sampler, resume) is one code path.
 //
 // Training: in-batch negatives softmax loss with a temperature. With more than one worker,
 // item embeddings are gathered from every rank (with gradient) so that the negatives of each
@@ -18,26 +21,23 @@
 
 #include "replica/core/error.h"
 #include "replica/data/mds.h"
+#include "replica/data/records.h"
 #include "replica/ddp/sync_batchnorm.h"
 #include "replica/models/two_tower.h"
 
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <limits>
 
 namespace fs = std::filesystem;
 
 namespace replica::train {
 namespace {
 
-std::string split_dir(const io::RunConfig& config, const std::string& split) {
-  const fs::path base(config.data.path);
-  if (fs::exists(base / split / "index.json")) return (base / split).string();
-  if (split == config.data.train_split && fs::exists(base / "index.json")) return base.string();
-  fail("data.path '{}': no MDS data set for split '{}' (expected {}/{}/index.json; write one with `replica mds "
-       "convert` or `replica mds synthetic`)",
-       config.data.path, split, config.data.path, split);
-}
+// Ids and feature values index embedding tables: a larger one would ask for a table no
+// machine holds, so it is refused with the line that holds it instead.
+constexpr int64_t kMaxId = std::numeric_limits<int32_t>::max();
 
 std::string column_or(const io::RunConfig& config, const char* key, const char* fallback) {
   auto it = config.data.column_mapping.find(key);
@@ -48,63 +48,202 @@ bool is_integer_encoding(const std::string& e) {
   return e == "int" || e.rfind("int", 0) == 0 || e.rfind("uint", 0) == 0;
 }
 
+bool is_feature_of_a_tower(const std::string& name) {
+  return name.rfind("user_", 0) == 0 || name.rfind("item_", 0) == 0;
+}
+
+// Where a split's interactions are: an MDS data set directory, or a JSONL/CSV file.
+struct SplitSource {
+  bool mds = false;
+  std::string path;
+};
+
+SplitSource find_split(const io::RunConfig& config, const std::string& split) {
+  const fs::path base(config.data.path);
+  const bool is_train = split == config.data.train_split;
+  std::error_code ec;
+  if (fs::is_regular_file(base, ec)) {
+    if (base.filename() == "index.json") return {true, base.parent_path().string()};
+    if (!is_train) {
+      fail("data.path '{}' is one file, which holds only the training split; set data.valid_split: null or make "
+           "data.path a directory holding {}.jsonl (or {}/index.json)",
+           config.data.path, split, split);
+    }
+    return {false, base.string()};
+  }
+  if (!fs::is_directory(base, ec)) fail("data.path '{}' does not exist", config.data.path);
+  if (fs::exists(base / split / "index.json")) return {true, (base / split).string()};
+  if (is_train && fs::exists(base / "index.json")) return {true, base.string()};
+  for (const char* ext : {".jsonl", ".json", ".csv"}) {
+    if (fs::is_regular_file(base / (split + ext), ec)) return {false, (base / (split + ext)).string()};
+  }
+  fail("data.path '{}': no data for split '{}' (expected MDS {}/{}/index.json or {}/{}.jsonl; write one with "
+       "`replica mds synthetic [--format jsonl]` or `replica mds convert`)",
+       config.data.path, split, config.data.path, split, config.data.path, split);
+}
+
+// The columns the workload reads: the ids, then the features of each tower (sorted by name,
+// as MDS stores columns, so both sources build the same model).
+struct ColumnNames {
+  std::string user, item;
+  std::vector<std::string> user_features, item_features;
+  std::vector<std::string> all() const {
+    std::vector<std::string> out = {user, item};
+    out.insert(out.end(), user_features.begin(), user_features.end());
+    out.insert(out.end(), item_features.begin(), item_features.end());
+    return out;
+  }
+  void add_feature(const std::string& name) {
+    if (name == user || name == item || !is_feature_of_a_tower(name)) return;
+    (name.rfind("user_", 0) == 0 ? user_features : item_features).push_back(name);
+  }
+  void sort_features() {
+    std::sort(user_features.begin(), user_features.end());
+    std::sort(item_features.begin(), item_features.end());
+  }
+};
+
 // The integer columns of a split, read into memory: [N] per column.
 struct Interactions {
   std::map<std::string, torch::Tensor> columns;
   int64_t size = 0;
 };
 
-Interactions read_interactions(const data::MdsDataset& ds, const std::vector<std::string>& names) {
+std::string mds_column_list(const data::MdsDataset& ds) {
+  std::string out;
+  for (const auto& c : ds.columns()) out += (out.empty() ? "" : ", ") + c.name;
+  return out;
+}
+
+// `discover`: this is the training split; its feature columns are added to `names`.
+// Otherwise every column of `names` must be there.
+Interactions read_mds_split(const std::string& dir, ColumnNames& names, bool discover, bool read_values = true) {
+  const data::MdsDataset ds(dir);
+  for (const auto& [name, label] : {std::pair{names.user, "user_column"}, std::pair{names.item, "item_column"}}) {
+    if (!ds.has_column(name)) {
+      fail("{}: column '{}' (data.column_mapping.{}) is not in the data set (columns: {})", ds.path(), name, label,
+           mds_column_list(ds));
+    }
+  }
+  if (discover) {
+    for (const auto& c : ds.columns()) {
+      if (is_integer_encoding(c.encoding)) names.add_feature(c.name);
+    }
+    names.sort_features();
+  }
+  const std::vector<std::string> wanted = names.all();
+  for (const auto& n : wanted) {
+    const auto& cols = ds.columns();
+    auto it = std::find_if(cols.begin(), cols.end(), [&](const auto& c) { return c.name == n; });
+    if (it == cols.end()) fail("{}: column '{}' of the training split is missing", ds.path(), n);
+    if (!is_integer_encoding(it->encoding)) fail("{}: column '{}' is {}, not an integer encoding", ds.path(), n, it->encoding);
+  }
   Interactions out;
+  if (!read_values) return out;
   out.size = ds.size();
   std::vector<torch::Tensor> cols;
-  for (size_t c = 0; c < names.size(); ++c) cols.push_back(torch::empty({ds.size()}, torch::kLong));
+  for (size_t c = 0; c < wanted.size(); ++c) cols.push_back(torch::empty({ds.size()}, torch::kLong));
   for (int64_t i = 0; i < ds.size(); ++i) {
     const auto sample = ds.get(i);
-    for (size_t c = 0; c < names.size(); ++c) {
-      const int64_t v = std::get<int64_t>(sample.at(names[c]));
-      if (v < 0) fail("MDS '{}': sample {} has negative {} {}", ds.path(), i, names[c], v);
+    for (size_t c = 0; c < wanted.size(); ++c) {
+      const int64_t v = std::get<int64_t>(sample.at(wanted[c]));
+      if (v < 0 || v > kMaxId) {
+        fail("MDS '{}': sample {}: {} {} is out of range (0 to {})", ds.path(), i, wanted[c], v, kMaxId);
+      }
       cols[c].data_ptr<int64_t>()[i] = v;
     }
   }
-  for (size_t c = 0; c < names.size(); ++c) out.columns[names[c]] = cols[c];
+  for (size_t c = 0; c < wanted.size(); ++c) out.columns[wanted[c]] = cols[c];
   return out;
+}
+
+// A JSONL value of an id or feature column: a JSON integer; in a CSV file, whose cells are
+// text, a decimal integer. nullopt for anything else.
+std::optional<int64_t> integer_value(const nlohmann::json& v, bool csv) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::numeric_limits<int64_t>::max();
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) return v.get<int64_t>();
+  if (csv && v.is_string()) {
+    const std::string text = v.get<std::string>();
+    try {
+      size_t used = 0;
+      const long long parsed = std::stoll(text, &used);
+      if (used == text.size()) return parsed;
+    } catch (const std::out_of_range&) {
+      return text.front() == '-' ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
+    } catch (const std::exception&) {
+    }
+  }
+  return std::nullopt;
+}
+
+// The same as read_mds_split for a JSONL (or CSV) file: the features are the integer
+// user_*/item_* fields of its first record; every record must hold every column.
+Interactions read_records_split(const std::string& file, ColumnNames& names, bool discover) {
+  const auto records = data::read_numbered_records(file);
+  if (records.empty()) fail("{}: no records", file);
+  const bool csv = file.size() >= 4 && file.compare(file.size() - 4, 4, ".csv") == 0;
+  if (discover) {
+    for (const auto& [key, value] : records.front().value.items()) {
+      if (integer_value(value, csv)) names.add_feature(key);
+    }
+    names.sort_features();
+  }
+  const std::vector<std::string> wanted = names.all();
+  Interactions out;
+  out.size = static_cast<int64_t>(records.size());
+  std::vector<torch::Tensor> cols;
+  for (size_t c = 0; c < wanted.size(); ++c) cols.push_back(torch::empty({out.size}, torch::kLong));
+  for (size_t i = 0; i < records.size(); ++i) {
+    const auto& [record, line] = records[i];
+    for (size_t c = 0; c < wanted.size(); ++c) {
+      const std::string& key = wanted[c];
+      const char* role = key == names.user ? " (data.column_mapping.user_column)"
+                         : key == names.item ? " (data.column_mapping.item_column)"
+                                             : " (a feature column of the training split)";
+      auto it = record.find(key);
+      if (it == record.end()) fail("{}:{}: key '{}'{} is missing", file, line, key, role);
+      const std::optional<int64_t> v = integer_value(*it, csv);
+      if (!v) fail("{}:{}: key '{}': {} is not an integer id", file, line, key, it->dump());
+      if (*v < 0 || *v > kMaxId) {
+        fail("{}:{}: key '{}': id {} is out of range (0 to {})", file, line, key, it->dump(), kMaxId);
+      }
+      cols[c].data_ptr<int64_t>()[i] = *v;
+    }
+  }
+  for (size_t c = 0; c < wanted.size(); ++c) out.columns[wanted[c]] = cols[c];
+  return out;
+}
+
+Interactions read_split(const io::RunConfig& config, const std::string& split, ColumnNames& names, bool discover) {
+  const SplitSource source = find_split(config, split);
+  Interactions out =
+      source.mds ? read_mds_split(source.path, names, discover) : read_records_split(source.path, names, discover);
+  if (out.size == 0) fail("{}: split '{}' holds no interactions", source.path, split);
+  return out;
+}
+
+ColumnNames id_columns(const io::RunConfig& config) {
+  ColumnNames names;
+  names.user = column_or(config, "user_column", "user_id");
+  names.item = column_or(config, "item_column", "item_id");
+  return names;
 }
 
 class TwoTowerWorkload final : public Workload {
  public:
   TwoTowerWorkload(const io::RunConfig& config, std::shared_ptr<dist::ProcessGroup> pg)
       : pg_(std::move(pg)), temperature_(config.params.temperature), top_k_(config.params.top_k) {
-    user_column_ = column_or(config, "user_column", "user_id");
-    item_column_ = column_or(config, "item_column", "item_id");
-    const data::MdsDataset train(split_dir(config, config.data.train_split));
-    for (const auto& [name, label] : {std::pair{user_column_, "user_column"}, std::pair{item_column_, "item_column"}}) {
-      if (!train.has_column(name)) {
-        fail("{}: column '{}' (data.column_mapping.{}) is not in the data set (columns: {})", train.path(), name, label,
-             column_list(train));
-      }
-    }
-    std::vector<std::string> names = {user_column_, item_column_};
-    for (const auto& c : train.columns()) {
-      if (!is_integer_encoding(c.encoding) || c.name == user_column_ || c.name == item_column_) continue;
-      if (c.name.rfind("user_", 0) == 0) user_features_.push_back(c.name);
-      if (c.name.rfind("item_", 0) == 0) item_features_.push_back(c.name);
-    }
-    for (const auto& f : user_features_) names.push_back(f);
-    for (const auto& f : item_features_) names.push_back(f);
-    for (const auto& n : names) {
-      const auto& cols = train.columns();
-      auto it = std::find_if(cols.begin(), cols.end(), [&](const auto& c) { return c.name == n; });
-      if (!is_integer_encoding(it->encoding)) fail("{}: column '{}' is {}, not an integer encoding", train.path(), n, it->encoding);
-    }
-    train_ = read_interactions(train, names);
-    if (config.data.valid_split) {
-      const data::MdsDataset valid(split_dir(config, *config.data.valid_split));
-      for (const auto& n : names) {
-        if (!valid.has_column(n)) fail("{}: column '{}' of the training split is missing", valid.path(), n);
-      }
-      valid_ = read_interactions(valid, names);
-    }
+    ColumnNames names = id_columns(config);
+    train_ = read_split(config, config.data.train_split, names, /*discover=*/true);
+    if (config.data.valid_split) valid_ = read_split(config, *config.data.valid_split, names, /*discover=*/false);
+    user_column_ = names.user;
+    item_column_ = names.item;
+    user_features_ = names.user_features;
+    item_features_ = names.item_features;
 
     auto vocab = [&](const std::string& column) {
       int64_t top = train_.columns[column].max().item<int64_t>();
@@ -195,12 +334,6 @@ class TwoTowerWorkload final : public Workload {
   }
 
  private:
-  static std::string column_list(const data::MdsDataset& ds) {
-    std::string out;
-    for (const auto& c : ds.columns()) out += (out.empty() ? "" : ", ") + c.name;
-    return out;
-  }
-
   // [rows, F] feature values of the given rows (all rows when `rows` is undefined); undefined when F is 0.
   static torch::Tensor features(Interactions& part, const std::vector<std::string>& names, const torch::Tensor& rows) {
     if (names.empty()) return {};
@@ -226,19 +359,17 @@ std::unique_ptr<Workload> make_two_tower(const io::RunConfig& config, std::share
 }
 
 void check_two_tower_config(const io::RunConfig& config) {
+  // MDS: the index and the id columns (reading every sample is left to the workers); JSONL:
+  // every line, so that a bad value is reported with its line before any worker starts.
+  ColumnNames names = id_columns(config);
   for (const auto& split : {std::optional<std::string>(config.data.train_split), config.data.valid_split}) {
     if (!split) continue;
-    const data::MdsDataset ds(split_dir(config, *split));
-    for (const auto& [key, fallback] : {std::pair{"user_column", "user_id"}, std::pair{"item_column", "item_id"}}) {
-      const std::string name = column_or(config, key, fallback);
-      if (!ds.has_column(name)) {
-        fail("{}: column '{}' (data.column_mapping.{}) is not in the data set (columns: {})", ds.path(), name, key,
-             [&] {
-               std::string out;
-               for (const auto& c : ds.columns()) out += (out.empty() ? "" : ", ") + c.name;
-               return out;
-             }());
-      }
+    const SplitSource source = find_split(config, *split);
+    const bool discover = *split == config.data.train_split;
+    if (source.mds) {
+      read_mds_split(source.path, names, discover, /*read_values=*/false);
+    } else {
+      read_records_split(source.path, names, discover);
     }
   }
 }

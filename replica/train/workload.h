@@ -68,6 +68,13 @@ class Workload {
   // A hint: train_loss will be asked for these samples next. A workload may prepare the batch
   // (decode, augment) on a background thread meanwhile, so the workers never wait on data.
   virtual void prefetch(const std::vector<int64_t>& indices) {}
+
+  // The state of the workload's own random draws (augmentation), written to the checkpoint's
+  // rng_state.safetensors beside the global generator's and handed back on resume, so that a
+  // resumed run draws what the uninterrupted run draws. Only rank 0's is saved, so it must
+  // be the same on every rank. Names must not clash with "cpu" (the global generator).
+  virtual io::NamedTensors rng_state() const { return {}; }
+  virtual void load_rng_state(const io::NamedTensors& tensors, const std::string& where) {}
 };
 
 // The workload `config.task` names; replica::Error for a task this build cannot run.

@@ -28,6 +28,24 @@ TEST(Records, JsonlFileAndDirectoryWithSplit) {
   fs::remove_all(d);
 }
 
+// Blank lines are skipped but counted, and a CSV row that spans lines starts where its quote
+// opens: each record carries the line an error about one of its values must name.
+TEST(Records, NumberedRecordsCarryTheirFileLine) {
+  auto d = temp_dir();
+  write(d / "train.jsonl", "{\"n\": 1}\n\n\n{\"n\": 2}\n");
+  auto r = replica::data::read_numbered_records(d.string(), "train");
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].line, 1u);
+  EXPECT_EQ(r[1].line, 4u);
+  EXPECT_EQ(r[1].value["n"], 2);
+  write(d / "valid.csv", "a,b\n\"x\ny\",1\n2,3\n");
+  auto c = replica::data::read_numbered_records(d.string(), "valid");
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0].line, 2u);
+  EXPECT_EQ(c[1].line, 4u);
+  fs::remove_all(d);
+}
+
 TEST(Records, CsvWithQuotesNewlinesAndJsonCells) {
   auto d = temp_dir();
   write(d / "train.csv",

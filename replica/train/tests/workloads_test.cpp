@@ -44,11 +44,13 @@ class Workloads : public replica::testing::ScratchDirTest {
     ScratchDirTest::SetUp();
   }
 
-  // Writes the planted-cluster data set: 400 items in 20 clusters (random recall@10 = 0.025).
-  fs::path synthetic_data() {
-    const fs::path data = dir_ / "recsys";
+  // Writes the planted-cluster data set: 400 items in 20 clusters (random recall@10 = 0.025),
+  // as MDS split directories or as <split>.jsonl files (the same interactions).
+  fs::path synthetic_data(const std::string& format = "mds") {
+    const fs::path data = dir_ / ("recsys-" + format);
     const Result r = replica_run({"mds", "synthetic", "--out", data.string(), "--users", "600", "--items", "400",
-                                  "--clusters", "20", "--train", "12000", "--valid", "1000", "--seed", "3"});
+                                  "--clusters", "20", "--train", "12000", "--valid", "1000", "--seed", "3",
+                                  "--format", format});
     EXPECT_EQ(r.exit_code, 0) << r;
     return data;
   }
@@ -59,10 +61,11 @@ class Workloads : public replica::testing::ScratchDirTest {
     return file;
   }
 
-  std::string two_tower_yaml(const fs::path& data, const std::string& params) {
+  std::string two_tower_yaml(const fs::path& data, const std::string& params,
+                             const std::string& valid_split = "valid") {
     return "task: two-tower\nlog: jsonl\nproject_name: " + (dir_ / "unused").string() + "\ndata:\n  path: " +
-           data.string() +
-           "\n  train_split: train\n  valid_split: valid\nparams:\n  threads_per_worker: 1\n  checkpoint_every: 0\n"
+           data.string() + "\n  train_split: train\n  valid_split: " + valid_split +
+           "\nparams:\n  threads_per_worker: 1\n  checkpoint_every: 0\n"
            "  logging_steps: 1\n  seed: 5\n  lr: 0.005\n  scheduler: constant\n  embedding_dim: 16\n" +
            params;
   }
@@ -197,4 +200,139 @@ TEST_F(Workloads, TwoTowerResumesMidEpochExactly) {
   const auto b = load_tensors(dir_ / "b" / "final" / "model.safetensors");
   ASSERT_EQ(a.size(), b.size());
   for (const auto& [name, t] : a) EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
+}
+
+// The same interactions as JSONL (`replica mds synthetic --format jsonl`) and as MDS: the
+// two runs see the same columns, shards and batches, so they log the same losses and
+// evaluation and end with the same weights, bit for bit.
+TEST_F(Workloads, TwoTowerOnJsonlTrainsExactlyAsOnMds) {
+  const fs::path mds = synthetic_data("mds");
+  const fs::path jsonl = synthetic_data("jsonl");
+  ASSERT_TRUE(fs::exists(jsonl / "train.jsonl"));
+  ASSERT_TRUE(fs::exists(jsonl / "valid.jsonl"));
+  const std::string params = "  nproc_per_node: 2\n  batch_size: 32\n  max_steps: 8\n  eval_every: 8\n";
+  train(write_config("mds", two_tower_yaml(mds, params)), dir_ / "mds", {});
+  train(write_config("jsonl", two_tower_yaml(jsonl, params)), dir_ / "jsonl", {});
+  if (HasFailure()) return;
+  const auto a = load_tensors(dir_ / "mds" / "final" / "model.safetensors");
+  const auto b = load_tensors(dir_ / "jsonl" / "final" / "model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(b.count(name)) << name;
+    EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
+  }
+  auto logged = [](const fs::path& project) {
+    std::vector<nlohmann::json> out;
+    for (auto j : metrics_of(project)) {
+      for (const char* timing : {"samples_per_s", "tokens_per_s", "time_compute_s", "time_comm_wait_s",
+                                 "time_data_wait_s", "time_optimizer_s"}) {
+        j.erase(timing);
+      }
+      out.push_back(j);
+    }
+    return out;
+  };
+  const auto ma = logged(dir_ / "mds"), mb = logged(dir_ / "jsonl");
+  ASSERT_EQ(ma.size(), mb.size());
+  int losses = 0, evals = 0;
+  for (size_t i = 0; i < ma.size(); ++i) {
+    EXPECT_EQ(ma[i], mb[i]) << "metrics line " << i + 1;
+    losses += ma[i].contains("loss");
+    evals += ma[i].contains("eval_recall_at_10");
+  }
+  EXPECT_EQ(losses, 8);
+  EXPECT_EQ(evals, 1);
+  auto config = nlohmann::json::parse(std::ifstream(dir_ / "jsonl" / "final" / "config.json"));
+  EXPECT_EQ(config["user_features"], nlohmann::json({"user_segment"}));
+  EXPECT_EQ(config["item_features"], nlohmann::json({"item_category"}));
+}
+
+// data.path may be one .jsonl file: the training split, with evaluation off.
+TEST_F(Workloads, TwoTowerTrainsOnOneJsonlFile) {
+  const fs::path file = dir_ / "events.jsonl";
+  std::ofstream out(file);
+  for (int i = 0; i < 64; ++i) {
+    out << nlohmann::json{{"user_id", i % 16}, {"item_id", (i * 7) % 24}, {"item_category", i % 3}}.dump() << "\n";
+  }
+  out.close();
+  const std::string params = "  nproc_per_node: 2\n  batch_size: 8\n  max_steps: 3\n";
+  const Result with_valid = replica_run({"--config", write_config("v", two_tower_yaml(file, params)).string(),
+                                         "--project-name", (dir_ / "v").string()});
+  EXPECT_NE(with_valid.exit_code, 0);
+  EXPECT_NE(with_valid.err.find("events.jsonl' is one file"), std::string::npos) << with_valid;
+  EXPECT_NE(with_valid.err.find("data.valid_split: null"), std::string::npos) << with_valid;
+  train(write_config("file", two_tower_yaml(file, params, "null")), dir_ / "file", {});
+  if (HasFailure()) return;
+  auto config = nlohmann::json::parse(std::ifstream(dir_ / "file" / "final" / "config.json"));
+  EXPECT_EQ(config["num_users"], 16);
+  EXPECT_EQ(config["num_items"], 24);
+  EXPECT_EQ(config["item_features"], nlohmann::json({"item_category"}));
+}
+
+// Each bad line of a JSONL split stops the run before any worker starts, with an error
+// naming the file, the line and the key.
+TEST_F(Workloads, TwoTowerBadJsonlLinesAreErrorsNamingFileLineAndKey) {
+  const fs::path data = dir_ / "bad";
+  fs::create_directories(data);
+  const std::string good = "{\"user_id\": 1, \"item_id\": 2, \"user_segment\": 0}\n"
+                           "{\"user_id\": 3, \"item_id\": 4, \"user_segment\": 1}\n";
+  std::ofstream(data / "valid.jsonl") << good;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"user_id": "u7", "item_id": 2, "user_segment": 0})",
+       "train.jsonl:4: key 'user_id': \"u7\" is not an integer id"},
+      {R"({"user_id": 1.5, "item_id": 2, "user_segment": 0})", "train.jsonl:4: key 'user_id': 1.5 is not an integer id"},
+      {R"({"user_id": 1, "user_segment": 0})",
+       "train.jsonl:4: key 'item_id' (data.column_mapping.item_column) is missing"},
+      {R"({"user_id": 1, "item_id": 2})", "train.jsonl:4: key 'user_segment' (a feature column of the training split) "
+                                          "is missing"},
+      {R"({"user_id": -3, "item_id": 2, "user_segment": 0})", "train.jsonl:4: key 'user_id': id -3 is out of range"},
+      {R"({"user_id": 1, "item_id": 99999999999, "user_segment": 0})",
+       "train.jsonl:4: key 'item_id': id 99999999999 is out of range"},
+  };
+  const fs::path cfg = write_config("bad", two_tower_yaml(data, "  nproc_per_node: 2\n  max_steps: 1\n"));
+  for (const auto& [line, expected] : cases) {
+    std::ofstream(data / "train.jsonl") << good << "\n" << line << "\n";
+    const Result r = replica_run({"--config", cfg.string(), "--project-name", (dir_ / "p").string()});
+    EXPECT_NE(r.exit_code, 0) << line;
+    EXPECT_NE(r.err.find((data / expected).string()), std::string::npos) << "expected: " << expected << "\n" << r;
+    EXPECT_EQ(r.all().find("rank 0"), std::string::npos) << "a worker started\n" << r;
+  }
+  // The validation split is read with the training split's columns.
+  std::ofstream(data / "train.jsonl") << good;
+  std::ofstream(data / "valid.jsonl") << "{\"user_id\": 1, \"item_id\": 2}\n";
+  const Result r = replica_run({"--config", cfg.string(), "--project-name", (dir_ / "p").string()});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find((data / "valid.jsonl").string() + ":1: key 'user_segment'"), std::string::npos) << r;
+}
+
+// Augmentation draws are checkpointed: a ResNet-18 run with random crops and flips, stopped
+// at its step-3 checkpoint mid-epoch and started again, ends bit for bit where the straight
+// run ends, and logs the same losses after the resume.
+TEST_F(Workloads, ResNet18AugmentedResumesMidEpochExactly) {
+  const fs::path cfg = write_config(
+      "resnet_resume", "task: image-classification\nmodel: resnet18\nlog: jsonl\nproject_name: " +
+                           (dir_ / "u").string() +
+                           "\ndata:\n  path: /usr/share/datasets/fashion-mnist\n  valid_split: null\nparams:\n"
+                           "  nproc_per_node: 2\n  batch_size: 8\n  lr: 0.002\n  scheduler: constant\n"
+                           "  augment: true\n  deterministic: true\n  threads_per_worker: 1\n"
+                           "  checkpoint_every: 3\n  logging_steps: 1\n  seed: 1\n");
+  train(cfg, dir_ / "a", {"--max-steps", "6"});
+  train(cfg, dir_ / "b", {"--max-steps", "3"});
+  const Result resumed = train(cfg, dir_ / "b", {"--max-steps", "6"});
+  if (HasFailure()) return;
+  EXPECT_NE(resumed.all().find("resuming from"), std::string::npos) << resumed;
+  const auto a = load_tensors(dir_ / "a" / "final" / "model.safetensors");
+  const auto b = load_tensors(dir_ / "b" / "final" / "model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
+  auto losses = [](const fs::path& project) {
+    std::vector<double> out;
+    for (const auto& j : metrics_of(project)) {
+      if (j.contains("loss")) out.push_back(j["loss"].get<double>());
+    }
+    return out;
+  };
+  const auto la = losses(dir_ / "a"), lb = losses(dir_ / "b");
+  ASSERT_EQ(la.size(), 6u);
+  EXPECT_EQ(la, lb);
 }
