@@ -61,6 +61,14 @@ class Workloads : public replica::testing::ScratchDirTest {
     return file;
   }
 
+  // A 2-worker ResNet-18 run on Fashion-MNIST without evaluation; `params` adds params: lines.
+  std::string resnet_yaml(const std::string& params) {
+    return "task: image-classification\nmodel: resnet18\nlog: jsonl\nproject_name: " + (dir_ / "u").string() +
+           "\ndata:\n  path: /usr/share/datasets/fashion-mnist\n  valid_split: null\nparams:\n"
+           "  nproc_per_node: 2\n  threads_per_worker: 1\n  seed: 1\n" +
+           params;
+  }
+
   std::string two_tower_yaml(const fs::path& data, const std::string& params,
                              const std::string& valid_split = "valid") {
     return "task: two-tower\nlog: jsonl\nproject_name: " + (dir_ / "unused").string() + "\ndata:\n  path: " +
@@ -139,11 +147,8 @@ TEST_F(Workloads, TwoTowerMissingSplitIsAnErrorNamingIt) {
 // The CI version of the ResNet-18 run: 2 workers, SyncBatchNorm, augmentation; the loss falls.
 TEST_F(Workloads, ResNet18LossFallsWithSyncBatchNormOnTwoWorkers) {
   const fs::path cfg = write_config(
-      "resnet", "task: image-classification\nmodel: resnet18\nlog: jsonl\nproject_name: " + (dir_ / "u").string() +
-                    "\ndata:\n  path: /usr/share/datasets/fashion-mnist\n  valid_split: null\nparams:\n"
-                    "  nproc_per_node: 2\n  batch_size: 32\n  max_steps: 24\n  lr: 0.002\n  scheduler: constant\n"
-                    "  sync_batchnorm: true\n  augment: true\n  threads_per_worker: 1\n  checkpoint_every: 0\n"
-                    "  logging_steps: 1\n  seed: 1\n");
+      "resnet", resnet_yaml("  batch_size: 32\n  max_steps: 24\n  lr: 0.002\n  scheduler: constant\n"
+                            "  sync_batchnorm: true\n  augment: true\n  checkpoint_every: 0\n  logging_steps: 1\n"));
   const Result r = train(cfg, dir_ / "resnet", {});
   if (HasFailure()) return;
   EXPECT_NE(r.all().find("2 workers"), std::string::npos) << r;
@@ -168,12 +173,9 @@ TEST_F(Workloads, ResNet18LossFallsWithSyncBatchNormOnTwoWorkers) {
 // weights and BatchNorm statistics as DDP after 10 steps at the same global batch.
 TEST_F(Workloads, ResNet18UnderZero3EqualsDdp) {
   const fs::path cfg = write_config(
-      "resnet_z3", "task: image-classification\nmodel: resnet18\nlog: jsonl\nproject_name: " +
-                       (dir_ / "u").string() +
-                       "\ndata:\n  path: /usr/share/datasets/fashion-mnist\n  valid_split: null\nparams:\n"
-                       "  nproc_per_node: 2\n  batch_size: 16\n  max_steps: 10\n  optimizer: sgd\n  lr: 0.05\n"
-                       "  scheduler: constant\n  max_grad_norm: 0\n  sync_batchnorm: true\n  augment: false\n"
-                       "  threads_per_worker: 1\n  checkpoint_every: 0\n  logging_steps: 5\n  seed: 1\n");
+      "resnet_z3", resnet_yaml("  batch_size: 16\n  max_steps: 10\n  optimizer: sgd\n  lr: 0.05\n"
+                               "  scheduler: constant\n  max_grad_norm: 0\n  sync_batchnorm: true\n  augment: false\n"
+                               "  checkpoint_every: 0\n  logging_steps: 5\n"));
   const Result ddp = train(cfg, dir_ / "ddp", {"--distributed-backend", "ddp"});
   const Result zero3 = train(cfg, dir_ / "zero3", {"--distributed-backend", "zero3"});
   if (HasFailure()) return;
@@ -310,12 +312,8 @@ TEST_F(Workloads, TwoTowerBadJsonlLinesAreErrorsNamingFileLineAndKey) {
 // run ends, and logs the same losses after the resume.
 TEST_F(Workloads, ResNet18AugmentedResumesMidEpochExactly) {
   const fs::path cfg = write_config(
-      "resnet_resume", "task: image-classification\nmodel: resnet18\nlog: jsonl\nproject_name: " +
-                           (dir_ / "u").string() +
-                           "\ndata:\n  path: /usr/share/datasets/fashion-mnist\n  valid_split: null\nparams:\n"
-                           "  nproc_per_node: 2\n  batch_size: 8\n  lr: 0.002\n  scheduler: constant\n"
-                           "  augment: true\n  deterministic: true\n  threads_per_worker: 1\n"
-                           "  checkpoint_every: 3\n  logging_steps: 1\n  seed: 1\n");
+      "resnet_resume", resnet_yaml("  batch_size: 8\n  lr: 0.002\n  scheduler: constant\n  augment: true\n"
+                                   "  deterministic: true\n  checkpoint_every: 3\n  logging_steps: 1\n"));
   train(cfg, dir_ / "a", {"--max-steps", "6"});
   train(cfg, dir_ / "b", {"--max-steps", "3"});
   const Result resumed = train(cfg, dir_ / "b", {"--max-steps", "6"});
