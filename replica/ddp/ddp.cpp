@@ -3,6 +3,7 @@
 #include "replica/core/error.h"
 #include "replica/core/system.h"
 #include "replica/ddp/bucketing.h"
+#include "replica/dist/grad_norm.h"
 #include "replica/obs/timeline.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -410,28 +411,9 @@ std::vector<std::string> DistributedDataParallel::shard_names() const {
 }
 
 double DistributedDataParallel::clip_grad_norm(double max_norm) {
-  torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> grads;
-  for (const auto& t : shard_parameters()) {
-    if (t.grad().defined()) grads.push_back(t.grad());
-  }
-  double sum_of_squares = 0;
-  for (const auto& g : grads) {
-    const double n = g.norm(2.0).item<double>();
-    sum_of_squares += n * n;
-  }
-  if (sharded_) {
-    auto total = torch::tensor({sum_of_squares}, torch::kDouble);
-    pg_->allreduce_sum(total).wait();
-    sum_of_squares = total.item<double>();
-  }
-  const double norm = std::sqrt(sum_of_squares);
-  // torch::nn::utils::clip_grad_norm_'s rule.
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (auto& g : grads) g.mul_(coef);
-  }
-  return norm;
+  for (const auto& t : shard_parameters()) grads.push_back(t.grad());
+  return dist::clip_grad_norm(grads, max_norm, sharded_ ? pg_.get() : nullptr);
 }
 
 void DistributedDataParallel::after_step() {

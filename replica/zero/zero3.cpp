@@ -1,6 +1,7 @@
 #include "replica/zero/zero3.h"
 
 #include "replica/core/error.h"
+#include "replica/dist/grad_norm.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -376,23 +377,11 @@ std::vector<std::string> Zero3::shard_names() const {
 }
 
 double Zero3::clip_grad_norm(double max_norm) {
-  torch::NoGradGuard no_grad;
-  double local = 0;
+  std::vector<torch::Tensor> grads;
   for (auto& g : groups_) {
-    if (g->info.trainable && g->master.grad().defined()) {
-      local += g->master.grad().to(torch::kDouble).pow(2).sum().item<double>();
-    }
+    if (g->info.trainable) grads.push_back(g->master.grad());
   }
-  torch::Tensor t = torch::tensor({local}, torch::kDouble);
-  pg_->allreduce_sum(t).wait();
-  const double norm = std::sqrt(t.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1) {
-    for (auto& g : groups_) {
-      if (g->info.trainable && g->master.grad().defined()) g->master.mutable_grad().mul_(coef);
-    }
-  }
-  return norm;
+  return dist::clip_grad_norm(grads, max_norm, pg_.get());
 }
 
 void Zero3::after_step() {
