@@ -183,13 +183,22 @@ struct MonitoredWork final : Work::Impl {
   uint64_t seq;
 };
 
+// Starts a collective under the watchdog (when there is one): registered before it starts,
+// ended when its Work is waited for or dropped.
+template <typename Start>
+Work monitored(const std::shared_ptr<CollectiveMonitor>& monitor, const char* what, const torch::Tensor& tensor,
+               const char* file, int line, Start start) {
+  if (!monitor) return start();
+  const uint64_t seq = monitor->begin(what, {tensor}, file, line);
+  return Work(std::make_shared<MonitoredWork>(start(), monitor, seq));
+}
+
 }  // namespace
 
 Work ProcessGroup::allreduce_sum(torch::Tensor& tensor, const char* file, int line) {
-  const uint64_t seq = monitor_ ? monitor_->begin("all-reduce", {tensor}, file, line) : 0;
-  Work work = use_shm_ && ShmTransport::supports(tensor) ? shm_->submit(tensor) : backend_allreduce_sum(tensor);
-  if (!monitor_) return work;
-  return Work(std::make_shared<MonitoredWork>(std::move(work), monitor_, seq));
+  return monitored(monitor_, "all-reduce", tensor, file, line, [&] {
+    return use_shm_ && ShmTransport::supports(tensor) ? shm_->submit(tensor) : backend_allreduce_sum(tensor);
+  });
 }
 
 std::pair<int64_t, int64_t> ProcessGroup::shard_range(int64_t numel, torch::ScalarType dtype, int rank) const {
@@ -201,10 +210,8 @@ Work ProcessGroup::reduce_scatter_sum(torch::Tensor& tensor, const char* file, i
   if (!(use_shm_ && ShmTransport::supports(tensor) && !shm_->multi_node())) {
     return allreduce_sum(tensor, file, line);
   }
-  const uint64_t seq = monitor_ ? monitor_->begin("reduce-scatter", {tensor}, file, line) : 0;
-  Work work = shm_->submit(tensor, ShmTransport::Op::kReduceScatter);
-  if (!monitor_) return work;
-  return Work(std::make_shared<MonitoredWork>(std::move(work), monitor_, seq));
+  return monitored(monitor_, "reduce-scatter", tensor, file, line,
+                   [&] { return shm_->submit(tensor, ShmTransport::Op::kReduceScatter); });
 }
 
 Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, int line) {
@@ -217,10 +224,8 @@ Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, in
     tensor.slice(0, e).zero_();
     return allreduce_sum(tensor, file, line);
   }
-  const uint64_t seq = monitor_ ? monitor_->begin("all-gather", {tensor}, file, line) : 0;
-  Work work = shm_->submit(tensor, ShmTransport::Op::kAllGather);
-  if (!monitor_) return work;
-  return Work(std::make_shared<MonitoredWork>(std::move(work), monitor_, seq));
+  return monitored(monitor_, "all-gather", tensor, file, line,
+                   [&] { return shm_->submit(tensor, ShmTransport::Op::kAllGather); });
 }
 
 std::vector<std::string> ProcessGroup::allgather_strings(const std::string& mine, const char* file, int line) {
