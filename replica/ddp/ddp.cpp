@@ -1,6 +1,7 @@
 #include "replica/ddp/ddp.h"
 
 #include "replica/core/error.h"
+#include "replica/core/gradient_home.h"
 #include "replica/core/system.h"
 #include "replica/ddp/bucketing.h"
 #include "replica/dist/grad_norm.h"
@@ -151,6 +152,7 @@ DistributedDataParallel::~DistributedDataParallel() {
     }
   }
   for (auto& acc : grad_accumulators_) acc->post_hooks().clear();
+  for (auto& p : params_) set_gradient_home(p, torch::Tensor());
 }
 
 void DistributedDataParallel::register_comm_hook(CommHook hook) {
@@ -188,6 +190,9 @@ void DistributedDataParallel::build_buckets(const std::vector<std::vector<size_t
       // Gradients live in the bucket from now on: keep what was accumulated so far.
       if (p.grad().defined()) view.copy_(p.grad());
       if (p.grad().defined() || !buckets_.empty()) p.mutable_grad() = view;
+      // Layers that compute their own weight gradient (models::FusedLinear) write it here
+      // directly, so mark_ready finds it in place and copies nothing.
+      set_gradient_home(p, view);
       bucket.views.push_back(view);
       slots_[bucket.params[k]] = Slot{b, k};
     }
@@ -249,14 +254,8 @@ void DistributedDataParallel::launch_ready_buckets() {
     Bucket& bucket = buckets_[next_bucket_];
     if (sharded_) {
       // Half an all-reduce: this worker only needs the average of its own shard.
-      auto work = std::make_shared<dist::Work>(pg_->reduce_scatter_sum(bucket.buffer));
-      const auto [begin, end] = pg_->shard_range(bucket.buffer.numel(), bucket.buffer.scalar_type(), pg_->rank());
-      torch::Tensor own = bucket.buffer.slice(0, begin, end);
-      const int64_t world = pg_->size();
-      bucket.complete = [work, own, world]() mutable {
-        work->wait();
-        own.div_(world);
-      };
+      auto work = std::make_shared<dist::Work>(pg_->reduce_scatter_average(bucket.buffer));
+      bucket.complete = [work] { work->wait(); };
     } else {
       GradBucket view{next_bucket_, bucket.buffer, bucket.params, next_bucket_ + 1 == buckets_.size()};
       bucket.complete = hook_(*pg_, view);
@@ -367,17 +366,25 @@ void DistributedDataParallel::build_shards() {
     Bucket& bucket = buckets_[b];
     const auto& first = params_[bucket.params.front()];
     const int64_t total = bucket.buffer.numel();
-    // The parameters move into one flat buffer per bucket (shared memory on one host), so that
-    // the all-gather after the step reads the peers' shards straight from their parameters.
-    bucket.params_flat = first.device().is_cpu() ? pg_->alloc_buffer(total, first.scalar_type())
-                                                 : torch::empty({total}, first.options().requires_grad(false));
+    // The parameters move into one flat buffer per bucket. On one host that is a single buffer
+    // every worker maps: each steps its shard in place and a barrier replaces the all-gather
+    // (no copy, and one copy of the parameters per host instead of one per worker). Otherwise
+    // each worker's own buffer (shared memory where it can be), which the all-gather fills.
+    if (first.device().is_cpu()) bucket.params_flat = pg_->alloc_shared_buffer(total, first.scalar_type());
+    if (b == 0) shared_params_ = bucket.params_flat.defined();
+    if (!shared_params_ || !bucket.params_flat.defined()) {
+      shared_params_ = false;
+      bucket.params_flat = first.device().is_cpu() ? pg_->alloc_buffer(total, first.scalar_type())
+                                                   : torch::empty({total}, first.options().requires_grad(false));
+    }
     const auto [own_begin, own_end] = pg_->shard_range(total, first.scalar_type(), pg_->rank());
     int64_t offset = 0;
     for (size_t i : bucket.params) {
       auto& p = params_[i];
       const int64_t n = p.numel();
       auto values = bucket_view(bucket.params_flat, offset, p.sizes());
-      values.copy_(p.detach());
+      // Shared: the replicas are identical (broadcast above), so one worker's copy is everyone's.
+      if (!shared_params_ || pg_->rank() == 0) values.copy_(p.detach());
       p.set_data(values);
       const int64_t lo = std::max(offset, own_begin), hi = std::min(offset + n, own_end);
       if (lo < hi) {
@@ -394,6 +401,7 @@ void DistributedDataParallel::build_shards() {
       offset += n;
     }
   }
+  if (shared_params_) pg_->shared_barrier().wait();  // nobody reads before rank 0 has copied
 }
 
 std::vector<torch::Tensor> DistributedDataParallel::shard_parameters() const {
@@ -418,8 +426,14 @@ double DistributedDataParallel::clip_grad_norm(double max_norm) {
 
 void DistributedDataParallel::after_step() {
   if (!sharded_) return;
-  std::vector<dist::Work> works;
-  {
+  if (shared_params_) {
+    // Every worker stepped its shard of the one shared copy: wait until all have, so that no
+    // forward reads a half-updated parameter. (No worker started stepping before all had
+    // finished backward: the reduce-scatter of the last bucket needs everyone's gradients.)
+    obs::Span span("barrier after step", "comm");
+    pg_->shared_barrier().wait();
+  } else {
+    std::vector<dist::Work> works;
     obs::Span span("all-gather parameters", "comm");
     for (auto& b : buckets_) works.push_back(pg_->all_gather_shards(b.params_flat));
     for (auto& w : works) w.wait();

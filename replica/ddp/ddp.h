@@ -11,7 +11,9 @@
 //   collectives in the same order. After the first step the buckets are rebuilt once in the
 //   order gradients actually arrived (rank 0's order, so all ranks agree).
 // - Each parameter's .grad is a view into its bucket (gradient_as_bucket_view), so there is
-//   no copy in or out; an optimizer that resets grads to undefined only costs one copy.
+//   no copy in or out; an optimizer that resets grads to undefined only costs one copy, and
+//   not even that for layers that write their weight gradient into the bucket themselves
+//   (models::FusedLinear, through replica/core/gradient_home.h).
 // - At the end of backward (an autograd engine callback) the step waits only for the
 //   buckets still in flight. A parameter that got no gradient is an error naming it, unless
 //   find_unused_parameters is on. Frozen parameters (requires_grad false) are never synced.
@@ -133,6 +135,9 @@ class DistributedDataParallel {
   std::vector<torch::Tensor> shard_parameters() const;
   std::vector<std::string> shard_names() const;
   bool sharded() const { return sharded_; }
+  // Sharded on one host: every worker's parameters are the same shared memory, so after_step()
+  // is a barrier instead of an all-gather.
+  bool parameters_shared() const { return shared_params_; }
   // Global-norm clipping over shard_parameters()' gradients (torch::nn::utils::clip_grad_norm_'s
   // formula; max_norm infinity only measures); returns the norm before clipping. Collective
   // when sharded.
@@ -212,6 +217,7 @@ class DistributedDataParallel {
   bool static_known_ = false;
   double comm_wait_seconds_ = 0;
   bool sharded_ = false;
+  bool shared_params_ = false;  // sharded, one node: the parameters are one copy every worker maps
   std::vector<Shard> shards_;
 };
 

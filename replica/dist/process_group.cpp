@@ -214,6 +214,18 @@ Work ProcessGroup::reduce_scatter_sum(torch::Tensor& tensor, const char* file, i
                    [&] { return shm_->submit(tensor, ShmTransport::Op::kReduceScatter); });
 }
 
+Work ProcessGroup::reduce_scatter_average(torch::Tensor& tensor, const char* file, int line) {
+  if (size() <= 1) return Work();
+  if (!(use_shm_ && ShmTransport::supports(tensor) && !shm_->multi_node())) {
+    torch::NoGradGuard no_grad;
+    tensor.div_(size());
+    return allreduce_sum(tensor, file, line);
+  }
+  const float divisor = static_cast<float>(size());
+  return monitored(monitor_, "reduce-scatter", tensor, file, line,
+                   [&] { return shm_->submit(tensor, ShmTransport::Op::kReduceScatter, divisor); });
+}
+
 Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, int line) {
   if (size() <= 1) return Work();
   if (!(use_shm_ && ShmTransport::supports(tensor) && !shm_->multi_node())) {
@@ -263,6 +275,22 @@ void ProcessGroup::set_transport(const std::string& transport) {
   } else {
     fail("unknown all-reduce transport '{}' (auto, shm, gloo)", transport);
   }
+}
+
+torch::Tensor ProcessGroup::alloc_shared_buffer(int64_t numel, torch::ScalarType dtype) {
+  if (size() <= 1 || !use_shm_ || !shm_ || shm_->multi_node()) return torch::Tensor();
+  return shm_->alloc_shared(numel, dtype);
+}
+
+Work ProcessGroup::shared_barrier(const char* file, int line) {
+  if (size() <= 1) return Work();
+  if (!use_shm_ || !shm_ || shm_->multi_node()) {
+    barrier(file, line);
+    return Work();
+  }
+  torch::Tensor nothing = torch::empty({0});
+  return monitored(monitor_, "barrier", nothing, file, line,
+                   [&] { return shm_->submit(nothing, ShmTransport::Op::kBarrier); });
 }
 
 torch::Tensor ProcessGroup::alloc_buffer(int64_t numel, torch::ScalarType dtype) {

@@ -94,6 +94,11 @@ class ProcessGroup {
   // shared-memory transport on one node and alloc_buffer() memory it reads the peers' shards
   // directly (half an all-reduce); otherwise it is an all-reduce.
   Work reduce_scatter_sum(torch::Tensor& tensor, const char* file = __builtin_FILE(), int line = __builtin_LINE());
+  // reduce_scatter_sum, then this rank's shard divided by size() (DDP's average). With shared
+  // memory the division happens inside the reduction, no extra pass; otherwise the whole tensor
+  // is divided first, like the default DDP hook.
+  Work reduce_scatter_average(torch::Tensor& tensor, const char* file = __builtin_FILE(),
+                              int line = __builtin_LINE());
   // In-place all-gather of a flat tensor: afterwards all of it holds each rank's own shard.
   // Shared memory as above copies the peers' shards; otherwise the shards are summed with
   // zeros elsewhere (exact).
@@ -108,6 +113,15 @@ class ProcessGroup {
   std::vector<std::string> allgather_strings(const std::string& mine, const char* file = __builtin_FILE(),
                                              int line = __builtin_LINE());
   void barrier(const char* file = __builtin_FILE(), int line = __builtin_LINE());
+
+  // One buffer that every rank maps, when the whole group is one node with the shared-memory
+  // transport; an undefined tensor otherwise. What one rank writes, every rank sees (ranks that
+  // keep data identical and update disjoint parts of it need no all-gather, only
+  // shared_barrier()). Zero-filled. Collective: every rank calls it in the same order.
+  torch::Tensor alloc_shared_buffer(int64_t numel, torch::ScalarType dtype);
+  // Every rank has arrived; through shared memory, in order with the collectives issued before
+  // it, where alloc_shared_buffer() is defined, else the backend's barrier. Asynchronous.
+  Work shared_barrier(const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
   // Key-value store of the rendezvous (small control messages, e.g. bucket orders).
   void store_set(const std::string& key, const std::string& value);

@@ -48,9 +48,12 @@ constexpr auto kSpinTime = std::chrono::microseconds(50);
 enum State : std::uint32_t { kRunning = 0, kFailed = 1, kClosed = 2 };
 
 // What a rank is about to do; peers compare it with their own after the first barrier.
-enum Op : std::int32_t { kAllreduce = 0, kReduceScatter = 1, kAllGather = 2 };
+enum Op : std::int32_t { kAllreduce = 0, kReduceScatter = 1, kAllGather = 2, kBarrier = 3 };
 const char* op_name(std::int32_t op) {
-  return op == kReduceScatter ? "reduce-scatter" : op == kAllGather ? "all-gather" : "all-reduce";
+  return op == kReduceScatter ? "reduce-scatter"
+         : op == kAllGather   ? "all-gather"
+         : op == kBarrier     ? "barrier"
+                              : "all-reduce";
 }
 
 struct OpDesc {
@@ -219,13 +222,14 @@ Mapping open_segment(const std::string& name, std::size_t expected_bytes, int pe
 }
 
 // ---- kernels ------------------------------------------------------------------------------
-// out[i] = in[0][i] + in[1][i] + ... + in[n-1][i], left to right in float32; out may be one
-// of the inputs (same index only). n >= 2.
+// out[i] = (in[0][i] + in[1][i] + ... + in[n-1][i]) / divisor, summed left to right in float32
+// and divided before the one rounding to the output type (divisor 1: no division); out may be
+// one of the inputs (same index only). n >= 2.
 
 constexpr std::size_t kBlock = 2048;
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void reduce_f32(float* out, const float* const* in, int n, std::size_t count) {
+void reduce_f32(float* out, const float* const* in, int n, std::size_t count, float divisor) {
   alignas(64) float acc[kBlock];
   for (std::size_t b = 0; b < count; b += kBlock) {
     const std::size_t m = std::min(kBlock, count - b);
@@ -237,7 +241,11 @@ void reduce_f32(float* out, const float* const* in, int n, std::size_t count) {
       for (std::size_t i = 0; i < m; ++i) acc[i] += ap[i];
     }
     float* o = out + b;
-    for (std::size_t i = 0; i < m; ++i) o[i] = acc[i];
+    if (divisor == 1.0f) {
+      for (std::size_t i = 0; i < m; ++i) o[i] = acc[i];
+    } else {
+      for (std::size_t i = 0; i < m; ++i) o[i] = acc[i] / divisor;
+    }
   }
 }
 
@@ -257,7 +265,7 @@ inline std::uint16_t f32_to_bf16(float f) {
 }
 
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void reduce_bf16(std::uint16_t* out, const std::uint16_t* const* in, int n, std::size_t count) {
+void reduce_bf16(std::uint16_t* out, const std::uint16_t* const* in, int n, std::size_t count, float divisor) {
   alignas(64) float acc[kBlock];
   for (std::size_t b = 0; b < count; b += kBlock) {
     const std::size_t m = std::min(kBlock, count - b);
@@ -269,23 +277,28 @@ void reduce_bf16(std::uint16_t* out, const std::uint16_t* const* in, int n, std:
       for (std::size_t i = 0; i < m; ++i) acc[i] += bf16_to_f32(ap[i]);
     }
     std::uint16_t* o = out + b;
+    if (divisor != 1.0f) {
+      for (std::size_t i = 0; i < m; ++i) acc[i] /= divisor;
+    }
     for (std::size_t i = 0; i < m; ++i) o[i] = f32_to_bf16(acc[i]);
   }
 }
 
 void reduce_f16_scalar(std::uint16_t* out, const std::uint16_t* const* in, int n, std::size_t from,
-                       std::size_t count) {
+                       std::size_t count, float divisor) {
   for (std::size_t i = from; i < count; ++i) {
     float acc = static_cast<float>(c10::Half(in[0][i], c10::Half::from_bits())) +
                 static_cast<float>(c10::Half(in[1][i], c10::Half::from_bits()));
     for (int p = 2; p < n; ++p) acc += static_cast<float>(c10::Half(in[p][i], c10::Half::from_bits()));
+    if (divisor != 1.0f) acc /= divisor;
     out[i] = c10::Half(acc).x;
   }
 }
 
 // F16C converts exactly like c10::Half (IEEE, nearest-even), 8 lanes at a time.
 __attribute__((target("avx2,f16c")))
-void reduce_f16_f16c(std::uint16_t* out, const std::uint16_t* const* in, int n, std::size_t count) {
+void reduce_f16_f16c(std::uint16_t* out, const std::uint16_t* const* in, int n, std::size_t count, float divisor) {
+  const __m256 by = _mm256_set1_ps(divisor);
   std::size_t i = 0;
   for (; i + 8 <= count; i += 8) {
     __m256 acc = _mm256_add_ps(
@@ -294,9 +307,10 @@ void reduce_f16_f16c(std::uint16_t* out, const std::uint16_t* const* in, int n, 
     for (int p = 2; p < n; ++p) {
       acc = _mm256_add_ps(acc, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in[p] + i))));
     }
+    if (divisor != 1.0f) acc = _mm256_div_ps(acc, by);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT));
   }
-  reduce_f16_scalar(out, in, n, i, count);
+  reduce_f16_scalar(out, in, n, i, count, divisor);
 }
 
 bool has_f16c() {
@@ -307,23 +321,24 @@ bool has_f16c() {
   return yes;
 }
 
-void reduce(c10::ScalarType dtype, void* out, const void* const* in, int n, std::size_t count) {
+void reduce(c10::ScalarType dtype, void* out, const void* const* in, int n, std::size_t count,
+            float divisor = 1.0f) {
   if (count == 0) return;
   switch (dtype) {
     case c10::ScalarType::Float:
-      reduce_f32(static_cast<float*>(out), reinterpret_cast<const float* const*>(in), n, count);
+      reduce_f32(static_cast<float*>(out), reinterpret_cast<const float* const*>(in), n, count, divisor);
       break;
     case c10::ScalarType::BFloat16:
       reduce_bf16(static_cast<std::uint16_t*>(out), reinterpret_cast<const std::uint16_t* const*>(in), n,
-                  count);
+                  count, divisor);
       break;
     case c10::ScalarType::Half:
       if (has_f16c()) {
         reduce_f16_f16c(static_cast<std::uint16_t*>(out),
-                        reinterpret_cast<const std::uint16_t* const*>(in), n, count);
+                        reinterpret_cast<const std::uint16_t* const*>(in), n, count, divisor);
       } else {
         reduce_f16_scalar(static_cast<std::uint16_t*>(out),
-                          reinterpret_cast<const std::uint16_t* const*>(in), n, 0, count);
+                          reinterpret_cast<const std::uint16_t* const*>(in), n, 0, count, divisor);
       }
       break;
     default:
@@ -560,6 +575,7 @@ struct ShmAllreduce::Impl {
       if (o.numel != d.numel || o.dtype != d.dtype || o.in_place != d.in_place ||
           o.region != d.region || o.offset != d.offset || o.op != d.op) {
         auto show = [](const OpDesc& x) {
+          if (x.op == kBarrier) return std::string("a barrier");
           return x.in_place ? fmt::format("{} of {} {} elements at byte {} of alloc #{}", op_name(x.op),
                                           x.numel, dtype_name(x.dtype), x.offset, x.region)
                             : fmt::format("{} of {} {} elements (not alloc()'ed)", op_name(x.op), x.numel,
@@ -640,7 +656,8 @@ struct ShmAllreduce::Impl {
   // Reduce-scatter in place on alloc()'ed memory: this rank sums its own shard (chunk_of the
   // whole tensor) over every rank's memory, a slice at a time. The closing barrier keeps every
   // rank's tensor unchanged until all have read it.
-  void direct_reduce_scatter(const Region& region, const OpDesc& d, c10::ScalarType dtype, std::size_t elem) {
+  void direct_reduce_scatter(const Region& region, const OpDesc& d, c10::ScalarType dtype, std::size_t elem,
+                             float divisor) {
     barrier();
     check_descs(d);
     std::vector<char*> base = bases(region, d);
@@ -650,7 +667,7 @@ struct ShmAllreduce::Impl {
     for (std::size_t off = b; off < e; off += step) {
       const std::size_t len = std::min(step, e - off);
       for (int p = 0; p < size; ++p) in[p] = base[p] + off * elem;
-      reduce(dtype, base[rank] + off * elem, in.data(), size, len);
+      reduce(dtype, base[rank] + off * elem, in.data(), size, len, divisor);
     }
     barrier();
   }
@@ -775,9 +792,64 @@ torch::Tensor ShmAllreduce::alloc(std::int64_t numel, torch::ScalarType dtype) {
 
 void ShmAllreduce::allreduce_sum(torch::Tensor& tensor) { run(tensor, kAllreduce); }
 
-void ShmAllreduce::reduce_scatter_sum(torch::Tensor& tensor) { run(tensor, kReduceScatter); }
+void ShmAllreduce::reduce_scatter_sum(torch::Tensor& tensor, float divisor) {
+  if (!(divisor > 0)) fail("shm reduce-scatter: divisor {} is not positive", divisor);
+  run(tensor, kReduceScatter, divisor);
+}
 
 void ShmAllreduce::all_gather(torch::Tensor& tensor) { run(tensor, kAllGather); }
+
+void ShmAllreduce::barrier() {
+  Impl& m = *impl_;
+  if (m.size == 1) return;
+  m.check_usable();
+  const std::uint64_t c = ++m.collective;
+  m.where = fmt::format("collective #{} (barrier)", c);
+  OpDesc d{};
+  d.collective = c;
+  d.dtype = -1;
+  d.region = -1;
+  d.op = kBarrier;
+  m.me()->desc[c & 1] = d;
+  try {
+    m.barrier();
+    m.check_descs(d);
+  } catch (const std::exception& e) {
+    m.mark_failed(e.what());
+    throw;
+  }
+}
+
+torch::Tensor ShmAllreduce::alloc_shared(std::int64_t numel, torch::ScalarType dtype) {
+  Impl& m = *impl_;
+  if (numel < 0) fail("shm all-reduce: alloc_shared of {} elements", numel);
+  auto options = torch::TensorOptions().dtype(dtype);
+  if (m.size == 1) return torch::zeros({numel}, options);
+  m.check_usable();
+  const std::int64_t id = ++m.allocs;
+  if (numel == 0) return torch::empty({0}, options);
+  m.where = fmt::format("alloc #{} (shared)", id);
+  const std::size_t bytes = round_up(static_cast<std::size_t>(numel) * c10::elementSize(dtype), kPage);
+  auto mapping = std::make_shared<Mapping>();
+  std::string name;
+  try {
+    // Local rank 0 creates the one segment; the others map it.
+    if (m.rank == 0) {
+      *mapping = create_segment(m.job, m.rank, bytes);
+      m.rdzv.set(m.key(fmt::format("alloc/{}", id), 0), mapping->name);
+    } else {
+      name = m.rdzv.get(m.key(fmt::format("alloc/{}", id), 0));
+      *mapping = open_segment(name, bytes, 0);
+    }
+    m.barrier();  // everyone has mapped it
+  } catch (const std::exception& e) {
+    if (!name.empty()) shm_unlink(name.c_str());
+    m.mark_failed(e.what());
+    throw;
+  }
+  mapping->unlink();
+  return torch::from_blob(mapping->addr, {numel}, [mapping](void*) mutable { mapping.reset(); }, options);
+}
 
 std::pair<std::int64_t, std::int64_t> ShmAllreduce::shard_range(std::int64_t numel, int ranks, int rank,
                                                                 std::size_t element_size) {
@@ -785,7 +857,7 @@ std::pair<std::int64_t, std::int64_t> ShmAllreduce::shard_range(std::int64_t num
   return {static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)};
 }
 
-void ShmAllreduce::run(torch::Tensor& tensor, int op) {
+void ShmAllreduce::run(torch::Tensor& tensor, int op, float divisor) {
   Impl& m = *impl_;
   if (!tensor.defined() || !tensor.device().is_cpu() || !tensor.is_contiguous() ||
       !supported(tensor.scalar_type())) {
@@ -796,7 +868,17 @@ void ShmAllreduce::run(torch::Tensor& tensor, int op) {
                                         tensor.device().str())
                           : std::string("an undefined tensor"));
   }
-  if (m.size == 1) return;
+  // Reduce-scatters taken as an all-reduce divide this rank's shard afterwards.
+  const bool divide_after = op == kReduceScatter && divisor != 1.0f;
+  auto divide_own_shard = [&] {
+    auto [b, e] = chunk_of(static_cast<std::size_t>(tensor.numel()), m.size, m.rank, tensor.element_size());
+    torch::NoGradGuard no_grad;
+    tensor.slice(0, static_cast<int64_t>(b), static_cast<int64_t>(e)).div_(divisor);
+  };
+  if (m.size == 1) {
+    if (divide_after) divide_own_shard();
+    return;
+  }
   m.check_usable();
   const c10::ScalarType dtype = tensor.scalar_type();
   const std::size_t elem = tensor.element_size();
@@ -831,7 +913,7 @@ void ShmAllreduce::run(torch::Tensor& tensor, int op) {
 
   try {
     if (op == kReduceScatter) {
-      m.direct_reduce_scatter(*region, d, dtype, elem);
+      m.direct_reduce_scatter(*region, d, dtype, elem, divisor);
     } else if (op == kAllGather) {
       m.direct_all_gather(*region, d, elem);
     } else if (nbytes <= std::min(kSmallBytes, m.slice_bytes)) {
@@ -841,6 +923,7 @@ void ShmAllreduce::run(torch::Tensor& tensor, int op) {
     } else {
       m.staged(data, d, dtype, elem);
     }
+    if (divide_after && op == kAllreduce) divide_own_shard();
   } catch (const std::exception& e) {
     m.mark_failed(e.what());
     throw;

@@ -90,13 +90,25 @@ class ShmAllreduce {
   // rest of the tensor holds unspecified values. all_gather: afterwards the whole tensor holds
   // every rank's shard. Both work in place on alloc()'ed memory, touching only the bytes they
   // must; other tensors take the all-reduce (all_gather first zeroes what is not this rank's).
-  void reduce_scatter_sum(torch::Tensor& tensor);
+  // reduce_scatter_sum with a divisor leaves sum / divisor (DDP's average, divided before the
+  // one rounding of the sum, so the division costs no extra pass over memory).
+  void reduce_scatter_sum(torch::Tensor& tensor, float divisor = 1.0f);
   void all_gather(torch::Tensor& tensor);
+
+  // Every local rank has arrived (checked against the peers' operations like a collective).
+  void barrier();
+
+  // One zero-filled 1-D tensor over memory that every local rank maps (local rank 0 creates
+  // it): what one rank writes, all see. For data the ranks keep identical and update in
+  // disjoint parts, such as DDP's parameters under the sharded optimizer step, where it
+  // replaces the all-gather with a barrier. Collective, like alloc(); any dtype. Not for
+  // collectives (every rank would pass the same memory).
+  torch::Tensor alloc_shared(std::int64_t numel, torch::ScalarType dtype);
   static std::pair<std::int64_t, std::int64_t> shard_range(std::int64_t numel, int ranks, int rank,
                                                            std::size_t element_size);
 
  private:
-  void run(torch::Tensor& tensor, int op);
+  void run(torch::Tensor& tensor, int op, float divisor = 1.0f);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;

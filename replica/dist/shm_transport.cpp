@@ -9,6 +9,7 @@ namespace replica::dist {
 struct ShmTransport::Task final : Work::Impl {
   torch::Tensor tensor;
   Op op = Op::kAllreduce;
+  float divisor = 1.0f;
   std::mutex mutex;
   std::condition_variable cv;
   bool finished = false;
@@ -46,11 +47,14 @@ bool ShmTransport::supports(const torch::Tensor& t) {
          (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf);
 }
 
-Work ShmTransport::submit(torch::Tensor tensor, Op op) {
-  if (op != Op::kAllreduce && multi_node_) fail("shm transport: reduce-scatter and all-gather are single-node only");
+Work ShmTransport::submit(torch::Tensor tensor, Op op, float divisor) {
+  if (op != Op::kAllreduce && multi_node_) {
+    fail("shm transport: reduce-scatter, all-gather and barrier are single-node only");
+  }
   auto task = std::make_shared<Task>();
   task->tensor = std::move(tensor);
   task->op = op;
+  task->divisor = divisor;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back(task);
@@ -66,8 +70,16 @@ torch::Tensor ShmTransport::alloc(int64_t numel, torch::ScalarType dtype) {
   return local_->alloc(numel, dtype);
 }
 
-void ShmTransport::run(torch::Tensor& tensor, Op op) {
-  if (op == Op::kReduceScatter) return local_->reduce_scatter_sum(tensor);
+torch::Tensor ShmTransport::alloc_shared(int64_t numel, torch::ScalarType dtype) {
+  if (multi_node_) fail("shm transport: alloc_shared is single-node only");
+  std::unique_lock<std::mutex> lock(mutex_);
+  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  return local_->alloc_shared(numel, dtype);
+}
+
+void ShmTransport::run(torch::Tensor& tensor, Op op, float divisor) {
+  if (op == Op::kBarrier) return local_->barrier();
+  if (op == Op::kReduceScatter) return local_->reduce_scatter_sum(tensor, divisor);
   if (op == Op::kAllGather) return local_->all_gather(tensor);
   local_->allreduce_sum(tensor);
   if (!multi_node_) return;
@@ -91,7 +103,7 @@ void ShmTransport::loop() {
       busy_ = true;
     }
     try {
-      run(task->tensor, task->op);
+      run(task->tensor, task->op, task->divisor);
     } catch (...) {
       task->error = std::current_exception();
     }

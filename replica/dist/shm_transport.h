@@ -26,18 +26,20 @@ class ShmTransport {
   ShmTransport(std::unique_ptr<ShmAllreduce> local, std::shared_ptr<ProcessGroup> leaders, bool multi_node);
   ~ShmTransport();
 
-  // What a submitted collective does (ShmAllreduce's three; the shard ones only on one node).
-  enum class Op { kAllreduce, kReduceScatter, kAllGather };
-  Work submit(torch::Tensor tensor, Op op = Op::kAllreduce);
+  // What a submitted collective does (ShmAllreduce's; all but the all-reduce only on one node).
+  // `divisor`: reduce-scatter only (ShmAllreduce::reduce_scatter_sum).
+  enum class Op { kAllreduce, kReduceScatter, kAllGather, kBarrier };
+  Work submit(torch::Tensor tensor, Op op = Op::kAllreduce, float divisor = 1.0f);
   bool multi_node() const { return multi_node_; }
   torch::Tensor alloc(int64_t numel, torch::ScalarType dtype);
+  torch::Tensor alloc_shared(int64_t numel, torch::ScalarType dtype);
 
   static bool supports(const torch::Tensor& t);
 
  private:
   struct Task;
   void loop();
-  void run(torch::Tensor& tensor, Op op);
+  void run(torch::Tensor& tensor, Op op, float divisor);
 
   std::unique_ptr<ShmAllreduce> local_;
   std::shared_ptr<ProcessGroup> leaders_;

@@ -1,6 +1,7 @@
 #include "replica/models/mlp.h"
 
 #include "replica/core/error.h"
+#include "replica/models/fused_linear.h"
 
 #include <torch/torch.h>
 
@@ -16,15 +17,16 @@ MLPImpl::MLPImpl(int64_t in_features, std::vector<int64_t> hidden_sizes, int64_t
   in_features_ = in_features;
   // One Sequential named "layers" gives PyTorch-style parameter names (see mlp.h). Linear's
   // default reset_parameters is PyTorch's: kaiming_uniform(a=sqrt(5)) weights and
-  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)) biases.
+  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)) biases. FusedLinear is Linear whose backward writes the
+  // weight gradient straight into DDP's bucket (fused_linear.h).
   torch::nn::Sequential layers;
   int64_t width = in_features;
   for (int64_t hidden : hidden_sizes) {
-    layers->push_back(torch::nn::Linear(width, hidden));
+    layers->push_back(FusedLinear(width, hidden));
     layers->push_back(torch::nn::ReLU());
     width = hidden;
   }
-  layers->push_back(torch::nn::Linear(width, out_features));
+  layers->push_back(FusedLinear(width, out_features));
   layers_ = register_module("layers", layers);
 }
 

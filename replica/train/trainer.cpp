@@ -363,6 +363,9 @@ int run_worker(const io::RunConfig& config) {
       workload->load_state_tensors(ckpt.model, dir + "/" + workload->checkpoint_model_file());
       // Checkpoints hold the full optimizer state; a sharded DDP takes its shards of it.
       load_optimizer_state(*optimizer, p.optimizer, params, names, ddp->shard_optimizer_state(ckpt.optimizer));
+      // Parameters shared by the workers of a host were loaded by each of them: all done
+      // before anyone steps.
+      if (ddp->parameters_shared()) pg->shared_barrier().wait();
     }
     state = ckpt.state;
     state.batch_size = p.batch_size;
@@ -707,9 +710,13 @@ int run_worker(const io::RunConfig& config) {
       param_bytes += t.numel() * static_cast<int64_t>(t.element_size());
       if (t.requires_grad()) grad_bytes += t.numel() * static_cast<int64_t>(t.element_size());
     }
-    spdlog::info("rank {}: backend ddp{}, per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
+    spdlog::info("rank {}: backend ddp{} per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
                  "{:.1f} MiB optimizer = {:.1f} MiB; peak RSS {:.1f} MiB",
-                 pg->rank(), ddp_sharded ? " (sharded optimizer)" : "", param_bytes / MiB, grad_bytes / MiB, optimizer_bytes / MiB,
+                 pg->rank(),
+                 ddp_sharded ? (ddp->parameters_shared() ? " (sharded optimizer), parameters shared by the host's workers,"
+                                                         : " (sharded optimizer),")
+                             : ",",
+                 param_bytes / MiB, grad_bytes / MiB, optimizer_bytes / MiB,
                  (param_bytes + grad_bytes + optimizer_bytes) / MiB, usage.ru_maxrss / 1024.0);
   }
   if (zero) {

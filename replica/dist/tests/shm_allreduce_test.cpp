@@ -350,6 +350,92 @@ TEST(ShmAllreduce, ReduceScatterThenAllGatherEqualsAllReduce) {
   }
 }
 
+// reduce_scatter_sum with a divisor leaves the average of this rank's shard: the float32 sum
+// divided before its one rounding (bit for bit, in place); plain tensors take the all-reduce
+// and divide their shard afterwards (float32 bit for bit; 16-bit within one rounding).
+TEST(ShmAllreduce, ReduceScatterWithDivisorLeavesTheAverage) {
+  for (int world : {2, 3}) {
+    for (torch::ScalarType dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+      for (bool use_alloc : {true, false}) {
+        const std::vector<std::int64_t> sizes = {1, 4097, 2'500'003};
+        std::vector<std::vector<torch::Tensor>> inputs(sizes.size());
+        std::vector<torch::Tensor> expected(sizes.size());
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          for (int r = 0; r < world; ++r) inputs[i].push_back(make_input(r, sizes[i], dtype, 70 + int(i)));
+          torch::Tensor acc = inputs[i][0].to(torch::kFloat).clone();
+          for (int r = 1; r < world; ++r) acc.add_(inputs[i][r].to(torch::kFloat));
+          expected[i] = acc.div_(world).to(dtype);
+        }
+        std::vector<std::vector<torch::Tensor>> shards(world);
+        run_ranks(world, [&](ShmAllreduce& ar, int r) {
+          for (std::size_t i = 0; i < sizes.size(); ++i) {
+            torch::Tensor t = use_alloc ? ar.alloc(sizes[i], dtype) : torch::empty({sizes[i]}, dtype);
+            t.copy_(inputs[i][r]);
+            ar.reduce_scatter_sum(t, static_cast<float>(world));
+            auto [b, e] = ShmAllreduce::shard_range(sizes[i], world, r, t.element_size());
+            shards[r].push_back(t.slice(0, b, e).clone());
+          }
+        });
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          for (int r = 0; r < world; ++r) {
+            const std::string where = "world " + std::to_string(world) + " " + std::string(c10::toString(dtype)) +
+                                      (use_alloc ? " alloc" : " plain") + " size " + std::to_string(sizes[i]) +
+                                      " rank " + std::to_string(r);
+            ASSERT_EQ(shards[r].size(), sizes.size()) << where;
+            auto [b, e] = ShmAllreduce::shard_range(sizes[i], world, r, c10::elementSize(dtype));
+            const torch::Tensor want = expected[i].slice(0, b, e);
+            if (use_alloc || dtype == torch::kFloat) {
+              EXPECT_TRUE(torch::equal(shards[r][i], want)) << where;
+            } else {
+              EXPECT_TRUE(torch::allclose(shards[r][i].to(torch::kFloat), want.to(torch::kFloat), 1e-2, 1e-2)) << where;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// alloc_shared gives every rank the same memory: each rank writes its part, and after a
+// barrier every rank reads all of them. Any dtype; zero-filled.
+TEST(ShmAllreduce, SharedAllocationIsOneMemoryForEveryRank) {
+  const int world = 3;
+  const std::int64_t n = 100'003;
+  std::vector<torch::Tensor> seen(world);
+  run_ranks(world, [&](ShmAllreduce& ar, int r) {
+    torch::Tensor shared = ar.alloc_shared(n, torch::kLong);
+    EXPECT_TRUE(torch::equal(shared, torch::zeros({n}, torch::kLong))) << "rank " << r;
+    ar.barrier();  // nobody writes before everyone has looked
+    auto [b, e] = ShmAllreduce::shard_range(n, world, r, sizeof(std::int64_t));
+    shared.slice(0, b, e).fill_(r + 1);
+    ar.barrier();
+    seen[r] = shared.clone();
+    ar.barrier();  // the memory outlives nobody's reads
+  });
+  torch::Tensor want = torch::empty({n}, torch::kLong);
+  for (int r = 0; r < world; ++r) {
+    auto [b, e] = ShmAllreduce::shard_range(n, world, r, sizeof(std::int64_t));
+    want.slice(0, b, e).fill_(r + 1);
+  }
+  for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(seen[r], want)) << "rank " << r;
+}
+
+// A barrier on one rank against a reduce-scatter on the other: both fail, naming both.
+TEST(ShmAllreduce, BarrierAgainstAnotherOperationFailsOnEveryRank) {
+  auto errors = run_ranks_errors(2, [&](ShmAllreduce& ar, int r) {
+    torch::Tensor t = ar.alloc(1000, torch::kFloat);
+    if (r == 0) {
+      ar.barrier();
+    } else {
+      ar.reduce_scatter_sum(t);
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("a barrier"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("reduce-scatter of 1000 float32 elements"), std::string::npos) << errors[r];
+  }
+}
+
 // A rank that reduce-scatters while its peer all-gathers: both fail, naming both operations.
 TEST(ShmAllreduce, MismatchedShardOperationsFailOnEveryRank) {
   auto errors = run_ranks_errors(2, [&](ShmAllreduce& ar, int r) {

@@ -1,6 +1,8 @@
 #include "replica/models/mlp.h"
 
 #include "replica/core/error.h"
+#include "replica/core/gradient_home.h"
+#include "replica/models/fused_linear.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -81,4 +83,56 @@ TEST(MLP, RejectsBadSizesAndInputs) {
     EXPECT_NE(message.find("756"), std::string::npos) << message;
     EXPECT_NE(message.find("784"), std::string::npos) << message;
   }
+}
+
+// FusedLinear is torch::nn::Linear: same initialisation, outputs and gradients. With a
+// gradient home registered (what DDP does), the first backward writes the weight gradient
+// into the home itself (the same memory, not a copy), and a second one adds to it.
+TEST(FusedLinear, EqualsLinearAndWritesTheWeightGradientIntoItsHome) {
+  torch::manual_seed(3);
+  replica::models::FusedLinear fused(7, 5);
+  torch::manual_seed(3);
+  torch::nn::Linear plain(7, 5);
+  ASSERT_TRUE(torch::equal(fused->weight, plain->weight));
+  ASSERT_TRUE(torch::equal(fused->bias, plain->bias));
+
+  const torch::Tensor x0 = torch::randn({4, 7});
+  const torch::Tensor w = torch::randn({4, 5});
+  auto run = [&](auto& layer, torch::Tensor& x_grad) {
+    torch::Tensor x = x0.clone().requires_grad_(true);
+    torch::Tensor y = layer->forward(x);
+    (y * w).sum().backward();
+    x_grad = x.grad();
+    return y;
+  };
+  torch::Tensor gx_fused, gx_plain;
+  EXPECT_TRUE(torch::equal(run(fused, gx_fused), run(plain, gx_plain)));
+  EXPECT_TRUE(torch::equal(gx_fused, gx_plain));
+  EXPECT_TRUE(torch::equal(fused->weight.grad(), plain->weight.grad()));
+  EXPECT_TRUE(torch::equal(fused->bias.grad(), plain->bias.grad()));
+
+  // A home inside a larger flat buffer, like a DDP bucket.
+  torch::Tensor bucket = torch::full({100}, -1.0f);
+  torch::Tensor home = bucket.slice(0, 10, 45).view({5, 7});
+  replica::set_gradient_home(fused->weight, home);
+  for (auto* p : {&fused->weight, &fused->bias, &plain->weight, &plain->bias}) p->mutable_grad() = torch::Tensor();
+  run(fused, gx_fused);
+  run(plain, gx_plain);
+  EXPECT_EQ(fused->weight.grad().data_ptr(), home.data_ptr()) << "written in place, not copied";
+  EXPECT_TRUE(torch::equal(home, plain->weight.grad()));
+  EXPECT_TRUE(torch::equal(fused->bias.grad(), plain->bias.grad()));
+  EXPECT_TRUE(torch::equal(gx_fused, gx_plain));
+  EXPECT_EQ(bucket.slice(0, 0, 10).eq(-1).all().item<bool>(), true) << "the rest of the bucket is untouched";
+  EXPECT_EQ(bucket.slice(0, 45).eq(-1).all().item<bool>(), true);
+  // Gradient accumulation: the second backward adds into the home.
+  run(fused, gx_fused);
+  run(plain, gx_plain);
+  EXPECT_EQ(fused->weight.grad().data_ptr(), home.data_ptr());
+  EXPECT_TRUE(torch::allclose(home, plain->weight.grad(), 1e-6, 1e-6));
+  replica::set_gradient_home(fused->weight, torch::Tensor());
+  EXPECT_FALSE(replica::gradient_home(fused->weight).defined());
+
+  // Other than 2-D inputs take Linear's own path.
+  torch::Tensor x3 = torch::randn({2, 3, 7});
+  EXPECT_TRUE(torch::equal(fused->forward(x3), plain->forward(x3)));
 }

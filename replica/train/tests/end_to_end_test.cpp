@@ -612,6 +612,8 @@ TEST_F(EndToEnd, ShardedOptimizerEqualsDdp) {
       }
       // Each worker holds 1/N of the optimizer state.
       EXPECT_NE(r.all().find("backend ddp (sharded optimizer)"), std::string::npos) << r;
+      // On one host the workers share one copy of the parameters (a barrier, no all-gather).
+      EXPECT_NE(r.all().find("parameters shared by the host's workers"), std::string::npos) << r;
       EXPECT_LT(optimizer_mib(r), optimizer_mib(plain_run) * 0.7) << r << plain_run;  // 0.1 MiB rounding
     }
   }

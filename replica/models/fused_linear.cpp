@@ -1,0 +1,66 @@
+#include "replica/models/fused_linear.h"
+
+#include "replica/core/gradient_home.h"
+
+#include <torch/torch.h>
+
+namespace replica::models {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Whether `grad` is `home` itself (not just a tensor of the same shape).
+bool is_home(const torch::Tensor& grad, const torch::Tensor& home) {
+  return grad.defined() && grad.data_ptr() == home.data_ptr() && grad.sizes() == home.sizes() &&
+         grad.strides() == home.strides();
+}
+
+struct LinearFunction : public torch::autograd::Function<LinearFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, const torch::Tensor& weight,
+                               const torch::Tensor& bias) {
+    // The weight's values as they are now (an engine such as ZeRO-3 may swap the parameter's
+    // storage after the forward, as torch::nn::Linear's saved weight.t() also ignores), and
+    // the parameter itself, whose gradient and gradient home backward looks up.
+    ctx->save_for_backward({input, weight.detach()});
+    ctx->saved_data["parameter"] = weight;
+    ctx->saved_data["has_bias"] = bias.defined();
+    // torch::nn::functional::linear's computation for 2-D inputs.
+    return bias.defined() ? at::addmm(bias, input, weight.t()) : at::mm(input, weight.t());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& input = saved[0];
+    const torch::Tensor& weight = saved[1];
+    const torch::Tensor& grad_out = grads[0];
+    torch::Tensor grad_input, grad_weight, grad_bias;
+    if (ctx->needs_input_grad(0)) grad_input = grad_out.mm(weight);
+    if (ctx->needs_input_grad(2) && ctx->saved_data["has_bias"].toBool()) grad_bias = grad_out.sum(0);
+    if (ctx->needs_input_grad(1)) {
+      torch::Tensor parameter = ctx->saved_data["parameter"].toTensor();
+      torch::Tensor home = gradient_home(parameter);
+      torch::Tensor& current = parameter.mutable_grad();
+      const bool fusable = home.defined() && !torch::GradMode::is_enabled() && home.sizes() == weight.sizes() &&
+                           home.is_contiguous() && home.scalar_type() == grad_out.scalar_type();
+      if (fusable && !current.defined()) {
+        at::mm_out(home, grad_out.t(), input);
+        current = home;
+      } else if (fusable && is_home(current, home)) {
+        home.addmm_(grad_out.t(), input);
+      } else {
+        grad_weight = grad_out.t().mm(input);
+      }
+    }
+    return {grad_input, grad_weight, grad_bias};
+  }
+};
+
+}  // namespace
+
+torch::Tensor FusedLinearImpl::forward(const torch::Tensor& input) {
+  if (input.dim() != 2) return torch::nn::LinearImpl::forward(input);
+  return LinearFunction::apply(input, weight, bias.defined() ? bias : torch::Tensor());
+}
+
+}  // namespace replica::models
