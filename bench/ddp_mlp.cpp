@@ -7,6 +7,7 @@
 #include "replica/data/fashion_mnist.h"
 #include "replica/ddp/ddp.h"
 #include "replica/dist/process_group.h"
+#include "replica/models/fused_linear.h"
 #include "replica/train/optim.h"
 
 #include <CLI/CLI.hpp>
@@ -19,7 +20,7 @@
 
 int main(int argc, char** argv) {
   int hidden = 1024, layers = 2, batch = 128, steps = 200, warmup = 20, threads = 1;
-  bool shard_optimizer = false, torch_sgd = false;
+  bool shard_optimizer = false, torch_sgd = false, torch_linear = false;
   CLI::App app{"replica's side of ../shared/bench/ddp_mlp.py"};
   app.add_option("--hidden", hidden, "Hidden width")->capture_default_str();
   app.add_option("--layers", layers, "Hidden layers")->capture_default_str();
@@ -29,6 +30,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads per rank")->capture_default_str();
   app.add_flag("--shard-optimizer", shard_optimizer, "DDP steps 1/N of the parameters per rank (params.shard_optimizer)");
   app.add_flag("--torch-sgd", torch_sgd, "torch::optim::SGD instead of replica's FusedSGD (the trainer's sgd)");
+  app.add_flag("--torch-linear", torch_linear,
+               "torch::nn::Linear instead of replica's FusedLinear (the mlp model's layers, which write weight "
+               "gradients straight into DDP's buckets)");
   CLI11_PARSE(app, argc, argv);
   replica::set_compute_threads(threads);
   replica::keep_freed_memory_in_process();
@@ -44,11 +48,19 @@ int main(int argc, char** argv) {
   torch::nn::Sequential model;
   int64_t in = 784;
   for (int l = 0; l < layers; ++l) {
-    model->push_back(torch::nn::Linear(in, hidden));
+    if (torch_linear) {
+      model->push_back(torch::nn::Linear(in, hidden));
+    } else {
+      model->push_back(replica::models::FusedLinear(in, hidden));
+    }
     model->push_back(torch::nn::ReLU());
     in = hidden;
   }
-  model->push_back(torch::nn::Linear(in, 10));
+  if (torch_linear) {
+    model->push_back(torch::nn::Linear(in, 10));
+  } else {
+    model->push_back(replica::models::FusedLinear(in, 10));
+  }
   replica::ddp::DDPOptions ddp_options;
   ddp_options.shard_optimizer = shard_optimizer;
   replica::ddp::DistributedDataParallel ddp(model.ptr(), pg, ddp_options);
