@@ -30,6 +30,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -420,35 +421,30 @@ TEST(ShmAllreduce, SharedAllocationIsOneMemoryForEveryRank) {
   for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(seen[r], want)) << "rank " << r;
 }
 
-// A barrier on one rank against a reduce-scatter on the other: both fail, naming both.
-TEST(ShmAllreduce, BarrierAgainstAnotherOperationFailsOnEveryRank) {
-  auto errors = run_ranks_errors(2, [&](ShmAllreduce& ar, int r) {
-    torch::Tensor t = ar.alloc(1000, torch::kFloat);
-    if (r == 0) {
-      ar.barrier();
-    } else {
-      ar.reduce_scatter_sum(t);
+// Two ranks issuing different operations: both fail, naming both operations. Cases: a
+// reduce-scatter against an all-gather, and a barrier against a reduce-scatter.
+TEST(ShmAllreduce, MismatchedOperationsFailOnEveryRank) {
+  using Op = std::function<void(ShmAllreduce&, torch::Tensor&)>;
+  const Op reduce_scatter = [](ShmAllreduce& ar, torch::Tensor& t) { ar.reduce_scatter_sum(t); };
+  const Op all_gather = [](ShmAllreduce& ar, torch::Tensor& t) { ar.all_gather(t); };
+  const Op barrier = [](ShmAllreduce& ar, torch::Tensor&) { ar.barrier(); };
+  struct Case {
+    Op rank0, rank1;
+    std::string named0, named1;
+  };
+  const std::vector<Case> cases = {
+      {reduce_scatter, all_gather, "reduce-scatter of 100000 float32 elements", "all-gather of 100000 float32 elements"},
+      {barrier, reduce_scatter, "a barrier", "reduce-scatter of 100000 float32 elements"},
+  };
+  for (const auto& c : cases) {
+    auto errors = run_ranks_errors(2, [&](ShmAllreduce& ar, int r) {
+      torch::Tensor t = ar.alloc(100'000, torch::kFloat);
+      (r == 0 ? c.rank0 : c.rank1)(ar, t);
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_NE(errors[r].find(c.named0), std::string::npos) << errors[r];
+      EXPECT_NE(errors[r].find(c.named1), std::string::npos) << errors[r];
     }
-  });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[r].find("a barrier"), std::string::npos) << errors[r];
-    EXPECT_NE(errors[r].find("reduce-scatter of 1000 float32 elements"), std::string::npos) << errors[r];
-  }
-}
-
-// A rank that reduce-scatters while its peer all-gathers: both fail, naming both operations.
-TEST(ShmAllreduce, MismatchedShardOperationsFailOnEveryRank) {
-  auto errors = run_ranks_errors(2, [&](ShmAllreduce& ar, int r) {
-    torch::Tensor t = ar.alloc(100'000, torch::kFloat);
-    if (r == 0) {
-      ar.reduce_scatter_sum(t);
-    } else {
-      ar.all_gather(t);
-    }
-  });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_NE(errors[r].find("reduce-scatter of 100000 float32 elements"), std::string::npos) << errors[r];
-    EXPECT_NE(errors[r].find("all-gather of 100000 float32 elements"), std::string::npos) << errors[r];
   }
 }
 
