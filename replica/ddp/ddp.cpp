@@ -13,6 +13,7 @@
 #include <c10/util/strides.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -362,18 +363,20 @@ void DistributedDataParallel::rebuild_buckets() {
 void DistributedDataParallel::build_shards() {
   torch::NoGradGuard no_grad;
   shards_.clear();
+  // The parameters move into one flat buffer per bucket. On one host, with every parameter on
+  // the CPU, that is a single buffer every worker maps: each steps its shard in place and a
+  // barrier replaces the all-gather (no copy, and one copy of the parameters per host instead
+  // of one per worker). Otherwise each worker's own buffer (shared memory where it can be),
+  // which the all-gather fills.
+  shared_params_ = pg_->shares_memory() &&
+                   std::all_of(params_.begin(), params_.end(), [](const torch::Tensor& p) { return p.device().is_cpu(); });
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     const auto& first = params_[bucket.params.front()];
     const int64_t total = bucket.buffer.numel();
-    // The parameters move into one flat buffer per bucket. On one host that is a single buffer
-    // every worker maps: each steps its shard in place and a barrier replaces the all-gather
-    // (no copy, and one copy of the parameters per host instead of one per worker). Otherwise
-    // each worker's own buffer (shared memory where it can be), which the all-gather fills.
-    if (first.device().is_cpu()) bucket.params_flat = pg_->alloc_shared_buffer(total, first.scalar_type());
-    if (b == 0) shared_params_ = bucket.params_flat.defined();
-    if (!shared_params_ || !bucket.params_flat.defined()) {
-      shared_params_ = false;
+    if (shared_params_) {
+      bucket.params_flat = pg_->alloc_shared_buffer(total, first.scalar_type());
+    } else {
       bucket.params_flat = first.device().is_cpu() ? pg_->alloc_buffer(total, first.scalar_type())
                                                    : torch::empty({total}, first.options().requires_grad(false));
     }

@@ -207,7 +207,7 @@ std::pair<int64_t, int64_t> ProcessGroup::shard_range(int64_t numel, torch::Scal
 }
 
 Work ProcessGroup::reduce_scatter_sum(torch::Tensor& tensor, const char* file, int line) {
-  if (!(use_shm_ && ShmTransport::supports(tensor) && !shm_->multi_node())) {
+  if (!(shares_memory() && ShmTransport::supports(tensor))) {
     return allreduce_sum(tensor, file, line);
   }
   return monitored(monitor_, "reduce-scatter", tensor, file, line,
@@ -216,7 +216,7 @@ Work ProcessGroup::reduce_scatter_sum(torch::Tensor& tensor, const char* file, i
 
 Work ProcessGroup::reduce_scatter_average(torch::Tensor& tensor, const char* file, int line) {
   if (size() <= 1) return Work();
-  if (!(use_shm_ && ShmTransport::supports(tensor) && !shm_->multi_node())) {
+  if (!(shares_memory() && ShmTransport::supports(tensor))) {
     torch::NoGradGuard no_grad;
     tensor.div_(size());
     return allreduce_sum(tensor, file, line);
@@ -228,7 +228,7 @@ Work ProcessGroup::reduce_scatter_average(torch::Tensor& tensor, const char* fil
 
 Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, int line) {
   if (size() <= 1) return Work();
-  if (!(use_shm_ && ShmTransport::supports(tensor) && !shm_->multi_node())) {
+  if (!(shares_memory() && ShmTransport::supports(tensor))) {
     if (tensor.dim() != 1) fail("all_gather_shards: needs a flat tensor, got shape {}", c10::str(tensor.sizes()));
     auto [b, e] = shard_range(tensor.numel(), tensor.scalar_type(), rank());
     torch::NoGradGuard no_grad;
@@ -277,14 +277,18 @@ void ProcessGroup::set_transport(const std::string& transport) {
   }
 }
 
+bool ProcessGroup::shares_memory() const {
+  return size() > 1 && use_shm_ && shm_ && !shm_->multi_node();
+}
+
 torch::Tensor ProcessGroup::alloc_shared_buffer(int64_t numel, torch::ScalarType dtype) {
-  if (size() <= 1 || !use_shm_ || !shm_ || shm_->multi_node()) return torch::Tensor();
+  if (!shares_memory()) return torch::Tensor();
   return shm_->alloc_shared(numel, dtype);
 }
 
 Work ProcessGroup::shared_barrier(const char* file, int line) {
   if (size() <= 1) return Work();
-  if (!use_shm_ || !shm_ || shm_->multi_node()) {
+  if (!shares_memory()) {
     barrier(file, line);
     return Work();
   }

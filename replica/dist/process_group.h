@@ -114,13 +114,17 @@ class ProcessGroup {
                                              int line = __builtin_LINE());
   void barrier(const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
-  // One buffer that every rank maps, when the whole group is one node with the shared-memory
-  // transport; an undefined tensor otherwise. What one rank writes, every rank sees (ranks that
-  // keep data identical and update disjoint parts of it need no all-gather, only
-  // shared_barrier()). Zero-filled. Collective: every rank calls it in the same order.
+  // Whether the whole group is one node on the shared-memory transport: then reduce_scatter_*
+  // and all_gather_shards work in place on alloc_buffer() memory, and alloc_shared_buffer() and
+  // shared_barrier() go through shared memory.
+  bool shares_memory() const;
+  // One buffer that every rank maps when shares_memory(), an undefined tensor otherwise. What
+  // one rank writes, every rank sees (ranks that keep data identical and update disjoint parts
+  // of it need no all-gather, only shared_barrier()). Zero-filled. Collective: every rank calls
+  // it in the same order.
   torch::Tensor alloc_shared_buffer(int64_t numel, torch::ScalarType dtype);
   // Every rank has arrived; through shared memory, in order with the collectives issued before
-  // it, where alloc_shared_buffer() is defined, else the backend's barrier. Asynchronous.
+  // it, when shares_memory(), else the backend's barrier. Asynchronous.
   Work shared_barrier(const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
   // Key-value store of the rendezvous (small control messages, e.g. bucket orders).
