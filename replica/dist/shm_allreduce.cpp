@@ -686,6 +686,33 @@ struct ShmAllreduce::Impl {
     barrier();
   }
 
+  // What alloc() and alloc_shared() share: the checks, the allocation's number (the same on
+  // every rank, so it names the segment in the rendezvous) and the segment's size. `ready` is
+  // set instead when there is nothing to map: a world of one, or no elements.
+  struct Allocation {
+    std::int64_t id = 0;
+    std::size_t bytes = 0;
+    torch::Tensor ready;
+  };
+  Allocation start_alloc(const char* what, std::int64_t numel, torch::ScalarType dtype) {
+    if (numel < 0) fail("shm all-reduce: {} of {} elements", what, numel);
+    const auto options = torch::TensorOptions().dtype(dtype);
+    Allocation a;
+    if (size == 1) {
+      a.ready = torch::zeros({numel}, options);
+      return a;
+    }
+    check_usable();
+    a.id = ++allocs;
+    if (numel == 0) {
+      a.ready = torch::empty({0}, options);
+      return a;
+    }
+    where = fmt::format("{} #{}", what, a.id);
+    a.bytes = round_up(static_cast<std::size_t>(numel) * c10::elementSize(dtype), kPage);
+    return a;
+  }
+
   std::vector<char*> bases(const Region& region, const OpDesc& d) const {
     std::vector<char*> base(size);
     for (int p = 0; p < size; ++p) {
@@ -748,19 +775,14 @@ std::uint64_t ShmAllreduce::collectives() const { return impl_->collective; }
 
 torch::Tensor ShmAllreduce::alloc(std::int64_t numel, torch::ScalarType dtype) {
   Impl& m = *impl_;
-  if (numel < 0) fail("shm all-reduce: alloc of {} elements", numel);
   if (!supported(dtype)) {
     fail("shm all-reduce: alloc of {} is not supported (float32, bfloat16 or float16)",
          dtype_name(dtype));
   }
-  auto options = torch::TensorOptions().dtype(dtype);
-  if (m.size == 1) return torch::zeros({numel}, options);
-  m.check_usable();
-  const std::int64_t id = ++m.allocs;
-  if (numel == 0) return torch::empty({0}, options);
-  m.where = fmt::format("alloc #{}", id);
-  const std::size_t bytes =
-      round_up(static_cast<std::size_t>(numel) * c10::elementSize(dtype), kPage);
+  Impl::Allocation a = m.start_alloc("alloc", numel, dtype);
+  if (a.ready.defined()) return a.ready;
+  const std::int64_t id = a.id;
+  const std::size_t bytes = a.bytes;
   auto region = std::make_shared<Region>();
   region->id = id;
   region->peers.resize(m.size);
@@ -787,7 +809,8 @@ torch::Tensor ShmAllreduce::alloc(std::int64_t numel, torch::ScalarType dtype) {
     m.regions.push_back(region);
   }
   void* data = region->own.addr;
-  return torch::from_blob(data, {numel}, [region](void*) mutable { region.reset(); }, options);
+  return torch::from_blob(data, {numel}, [region](void*) mutable { region.reset(); },
+                          torch::TensorOptions().dtype(dtype));
 }
 
 void ShmAllreduce::allreduce_sum(torch::Tensor& tensor) { run(tensor, kAllreduce); }
@@ -822,14 +845,10 @@ void ShmAllreduce::barrier() {
 
 torch::Tensor ShmAllreduce::alloc_shared(std::int64_t numel, torch::ScalarType dtype) {
   Impl& m = *impl_;
-  if (numel < 0) fail("shm all-reduce: alloc_shared of {} elements", numel);
-  auto options = torch::TensorOptions().dtype(dtype);
-  if (m.size == 1) return torch::zeros({numel}, options);
-  m.check_usable();
-  const std::int64_t id = ++m.allocs;
-  if (numel == 0) return torch::empty({0}, options);
-  m.where = fmt::format("alloc #{} (shared)", id);
-  const std::size_t bytes = round_up(static_cast<std::size_t>(numel) * c10::elementSize(dtype), kPage);
+  Impl::Allocation a = m.start_alloc("alloc_shared", numel, dtype);
+  if (a.ready.defined()) return a.ready;
+  const std::int64_t id = a.id;
+  const std::size_t bytes = a.bytes;
   auto mapping = std::make_shared<Mapping>();
   std::string name;
   try {
@@ -848,7 +867,8 @@ torch::Tensor ShmAllreduce::alloc_shared(std::int64_t numel, torch::ScalarType d
     throw;
   }
   mapping->unlink();
-  return torch::from_blob(mapping->addr, {numel}, [mapping](void*) mutable { mapping.reset(); }, options);
+  return torch::from_blob(mapping->addr, {numel}, [mapping](void*) mutable { mapping.reset(); },
+                          torch::TensorOptions().dtype(dtype));
 }
 
 std::pair<std::int64_t, std::int64_t> ShmAllreduce::shard_range(std::int64_t numel, int ranks, int rank,
