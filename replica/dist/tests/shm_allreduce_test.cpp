@@ -139,11 +139,22 @@ torch::Tensor make_input(int rank, std::int64_t numel, torch::ScalarType dtype, 
   return torch::randn({numel}, gen, torch::TensorOptions().dtype(torch::kFloat)).to(dtype);
 }
 
-// The sum in rank order, accumulated in float32 and rounded once, as the all-reduce defines it.
-torch::Tensor reference_sum(const std::vector<torch::Tensor>& in) {
+// The sum in rank order, accumulated in float32, before its rounding to the inputs' dtype.
+torch::Tensor reference_sum_f32(const std::vector<torch::Tensor>& in) {
   torch::Tensor acc = in[0].to(torch::kFloat).clone();
   for (std::size_t p = 1; p < in.size(); ++p) acc.add_(in[p].to(torch::kFloat));
-  return acc.to(in[0].scalar_type());
+  return acc;
+}
+
+// The sum in rank order, accumulated in float32 and rounded once, as the all-reduce defines it.
+torch::Tensor reference_sum(const std::vector<torch::Tensor>& in) {
+  return reference_sum_f32(in).to(in[0].scalar_type());
+}
+
+// Names one case of the shard tests in failure messages.
+std::string shard_case(int world, torch::ScalarType dtype, bool use_alloc, std::int64_t size, int rank) {
+  return "world " + std::to_string(world) + " " + std::string(c10::toString(dtype)) +
+         (use_alloc ? " alloc" : " plain") + " size " + std::to_string(size) + " rank " + std::to_string(rank);
 }
 
 // All ranks reduce copies of make_input(rank, numel, ...): every result equals the reference
@@ -334,9 +345,7 @@ TEST(ShmAllreduce, ReduceScatterThenAllGatherEqualsAllReduce) {
         for (std::size_t i = 0; i < sizes.size(); ++i) {
           std::int64_t covered = 0;
           for (int r = 0; r < world; ++r) {
-            const std::string where = "world " + std::to_string(world) + " " + std::string(c10::toString(dtype)) +
-                                      (use_alloc ? " alloc" : " plain") + " size " + std::to_string(sizes[i]) +
-                                      " rank " + std::to_string(r);
+            const std::string where = shard_case(world, dtype, use_alloc, sizes[i], r);
             ASSERT_EQ(shards[r].size(), sizes.size()) << where;
             auto [b, e] = ShmAllreduce::shard_range(sizes[i], world, r, c10::elementSize(dtype));
             EXPECT_EQ(b, std::min<std::int64_t>(covered, sizes[i])) << where << ": shards are contiguous";
@@ -363,9 +372,7 @@ TEST(ShmAllreduce, ReduceScatterWithDivisorLeavesTheAverage) {
         std::vector<torch::Tensor> expected(sizes.size());
         for (std::size_t i = 0; i < sizes.size(); ++i) {
           for (int r = 0; r < world; ++r) inputs[i].push_back(make_input(r, sizes[i], dtype, 70 + int(i)));
-          torch::Tensor acc = inputs[i][0].to(torch::kFloat).clone();
-          for (int r = 1; r < world; ++r) acc.add_(inputs[i][r].to(torch::kFloat));
-          expected[i] = acc.div_(world).to(dtype);
+          expected[i] = reference_sum_f32(inputs[i]).div_(world).to(dtype);
         }
         std::vector<std::vector<torch::Tensor>> shards(world);
         run_ranks(world, [&](ShmAllreduce& ar, int r) {
@@ -379,9 +386,7 @@ TEST(ShmAllreduce, ReduceScatterWithDivisorLeavesTheAverage) {
         });
         for (std::size_t i = 0; i < sizes.size(); ++i) {
           for (int r = 0; r < world; ++r) {
-            const std::string where = "world " + std::to_string(world) + " " + std::string(c10::toString(dtype)) +
-                                      (use_alloc ? " alloc" : " plain") + " size " + std::to_string(sizes[i]) +
-                                      " rank " + std::to_string(r);
+            const std::string where = shard_case(world, dtype, use_alloc, sizes[i], r);
             ASSERT_EQ(shards[r].size(), sizes.size()) << where;
             auto [b, e] = ShmAllreduce::shard_range(sizes[i], world, r, c10::elementSize(dtype));
             const torch::Tensor want = expected[i].slice(0, b, e);
