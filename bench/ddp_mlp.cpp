@@ -46,21 +46,20 @@ int main(int argc, char** argv) {
 
   torch::manual_seed(0);
   torch::nn::Sequential model;
+  auto push_linear = [&](int64_t in_features, int64_t out_features) {
+    if (torch_linear) {
+      model->push_back(torch::nn::Linear(in_features, out_features));
+    } else {
+      model->push_back(replica::models::FusedLinear(in_features, out_features));
+    }
+  };
   int64_t in = 784;
   for (int l = 0; l < layers; ++l) {
-    if (torch_linear) {
-      model->push_back(torch::nn::Linear(in, hidden));
-    } else {
-      model->push_back(replica::models::FusedLinear(in, hidden));
-    }
+    push_linear(in, hidden);
     model->push_back(torch::nn::ReLU());
     in = hidden;
   }
-  if (torch_linear) {
-    model->push_back(torch::nn::Linear(in, 10));
-  } else {
-    model->push_back(replica::models::FusedLinear(in, 10));
-  }
+  push_linear(in, 10);
   replica::ddp::DDPOptions ddp_options;
   ddp_options.shard_optimizer = shard_optimizer;
   replica::ddp::DistributedDataParallel ddp(model.ptr(), pg, ddp_options);
