@@ -122,6 +122,7 @@ std::string dtype_name(c10::ScalarType dtype) {
     case c10::ScalarType::Float: return "float32";
     case c10::ScalarType::BFloat16: return "bfloat16";
     case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::Double: return "float64";
     default: return std::string(c10::toString(dtype));
   }
 }
@@ -249,6 +250,16 @@ void reduce_f32(float* out, const float* const* in, int n, std::size_t count, fl
   }
 }
 
+// float64 (the trainer's loss and sample counts, logged every few steps): summed in float64,
+// left to right, so a count stays exact to 2^53.
+void reduce_f64(double* out, const double* const* in, int n, std::size_t count, float divisor) {
+  for (std::size_t i = 0; i < count; ++i) {
+    double acc = in[0][i] + in[1][i];
+    for (int p = 2; p < n; ++p) acc += in[p][i];
+    out[i] = divisor == 1.0f ? acc : acc / static_cast<double>(divisor);
+  }
+}
+
 inline float bf16_to_f32(std::uint16_t h) {
   std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
   float f;
@@ -328,6 +339,9 @@ void reduce(c10::ScalarType dtype, void* out, const void* const* in, int n, std:
     case c10::ScalarType::Float:
       reduce_f32(static_cast<float*>(out), reinterpret_cast<const float* const*>(in), n, count, divisor);
       break;
+    case c10::ScalarType::Double:
+      reduce_f64(static_cast<double*>(out), reinterpret_cast<const double* const*>(in), n, count, divisor);
+      break;
     case c10::ScalarType::BFloat16:
       reduce_bf16(static_cast<std::uint16_t*>(out), reinterpret_cast<const std::uint16_t* const*>(in), n,
                   count, divisor);
@@ -358,7 +372,8 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes) {
 }
 
 bool supported(c10::ScalarType t) {
-  return t == c10::ScalarType::Float || t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half;
+  return t == c10::ScalarType::Float || t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half ||
+         t == c10::ScalarType::Double;
 }
 
 // Chunk p of `len` elements split n ways on cache-line boundaries: [begin, end).
@@ -776,7 +791,7 @@ std::uint64_t ShmAllreduce::collectives() const { return impl_->collective; }
 torch::Tensor ShmAllreduce::alloc(std::int64_t numel, torch::ScalarType dtype) {
   Impl& m = *impl_;
   if (!supported(dtype)) {
-    fail("shm all-reduce: alloc of {} is not supported (float32, bfloat16 or float16)",
+    fail("shm all-reduce: alloc of {} is not supported (float32, bfloat16, float16 or float64)",
          dtype_name(dtype));
   }
   Impl::Allocation a = m.start_alloc("alloc", numel, dtype);
@@ -881,7 +896,7 @@ void ShmAllreduce::run(torch::Tensor& tensor, int op, float divisor) {
   Impl& m = *impl_;
   if (!tensor.defined() || !tensor.device().is_cpu() || !tensor.is_contiguous() ||
       !supported(tensor.scalar_type())) {
-    fail("shm {}: needs a contiguous CPU tensor of float32, bfloat16 or float16, got {}", op_name(op),
+    fail("shm {}: needs a contiguous CPU tensor of float32, bfloat16, float16 or float64, got {}", op_name(op),
          tensor.defined() ? fmt::format("a {}{} {} tensor",
                                         tensor.is_contiguous() ? "" : "non-contiguous ",
                                         dtype_name(tensor.scalar_type()),

@@ -74,12 +74,12 @@ class ShmAllreduce {
   // A zero-filled 1-D tensor in this rank's shared memory that peers read directly: all-reducing
   // it (or any contiguous view of it) needs no copy in or out. Collective: all ranks call alloc
   // in the same order with the same sizes. The memory lives as long as the tensor (it may
-  // outlive this object). float32, bfloat16 or float16.
+  // outlive this object). float32, bfloat16, float16 or float64.
   torch::Tensor alloc(std::int64_t numel, torch::ScalarType dtype);
 
   // In-place sum over the local ranks; returns when this rank's tensor holds the result.
-  // Any contiguous CPU tensor of float32, bfloat16 or float16, of any size; all ranks pass the
-  // same numel and dtype (and, for alloc()'ed memory, the same place in the same allocation),
+  // Any contiguous CPU tensor of float32, bfloat16, float16 or float64, of any size; all ranks
+  // pass the same numel and dtype (and, for alloc()'ed memory, the same place in the same allocation),
   // which is checked.
   void allreduce_sum(torch::Tensor& tensor);
 

@@ -44,7 +44,7 @@ ShmTransport::~ShmTransport() {
 bool ShmTransport::supports(const torch::Tensor& t) {
   const auto dt = t.scalar_type();
   return t.device().is_cpu() && t.is_contiguous() &&
-         (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf);
+         (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf || dt == torch::kDouble);
 }
 
 Work ShmTransport::submit(torch::Tensor tensor, Op op, float divisor) {

@@ -146,8 +146,14 @@ torch::Tensor reference_sum_f32(const std::vector<torch::Tensor>& in) {
   return acc;
 }
 
-// The sum in rank order, accumulated in float32 and rounded once, as the all-reduce defines it.
+// The sum in rank order, accumulated in float32 and rounded once, as the all-reduce defines it
+// (float64 inputs: accumulated in float64).
 torch::Tensor reference_sum(const std::vector<torch::Tensor>& in) {
+  if (in[0].scalar_type() == torch::kDouble) {
+    torch::Tensor acc = in[0].clone();
+    for (std::size_t p = 1; p < in.size(); ++p) acc.add_(in[p]);
+    return acc;
+  }
   return reference_sum_f32(in).to(in[0].scalar_type());
 }
 
@@ -203,7 +209,10 @@ struct SumCase {
 
 std::string case_name(const testing::TestParamInfo<SumCase>& info) {
   const SumCase& c = info.param;
-  std::string dt = c.dtype == torch::kFloat ? "f32" : c.dtype == torch::kBFloat16 ? "bf16" : "f16";
+  std::string dt = c.dtype == torch::kFloat      ? "f32"
+                   : c.dtype == torch::kBFloat16 ? "bf16"
+                   : c.dtype == torch::kDouble   ? "f64"
+                                                 : "f16";
   return "world" + std::to_string(c.world) + "_" + dt + (c.use_alloc ? "_alloc" : "_plain") +
          (c.slice_bytes == ShmAllreduce::kDefaultSliceBytes ? "" : "_smallslice");
 }
@@ -220,13 +229,13 @@ TEST_P(ShmAllreduceSum, EqualsReferenceBitForBitOnEveryRank) {
 std::vector<SumCase> all_cases() {
   std::vector<SumCase> out;
   for (int world : {2, 3, 4, 8}) {
-    for (auto dt : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    for (auto dt : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
       for (bool a : {false, true}) out.push_back({world, dt, a, ShmAllreduce::kDefaultSliceBytes});
     }
   }
   // Small staging slices: many steps per tensor, and the naive limit drops to the slice size.
   for (int world : {2, 3}) {
-    for (auto dt : {torch::kFloat, torch::kBFloat16}) out.push_back({world, dt, false, 64 << 10});
+    for (auto dt : {torch::kFloat, torch::kBFloat16, torch::kDouble}) out.push_back({world, dt, false, 64 << 10});
   }
   return out;
 }
