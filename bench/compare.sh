@@ -3,7 +3,8 @@
 # runs in one sitting. Prints samples/s of each side, the ratio, and each side's scaling
 # efficiency (world-2 samples/s over twice world-1 samples/s). See bench/README.md.
 #   bench/compare.sh [ROUNDS] [small|large|all]
-# REPLICA_BENCH_ARGS adds flags to replica's side (e.g. --shard-optimizer, --torch-sgd).
+# REPLICA_BENCH_ARGS adds flags to replica's side (e.g. "--shard-optimizer false" for plain DDP,
+# --torch-sgd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}

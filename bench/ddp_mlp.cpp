@@ -20,7 +20,8 @@
 
 int main(int argc, char** argv) {
   int hidden = 1024, layers = 2, batch = 128, steps = 200, warmup = 20, threads = 1;
-  bool shard_optimizer = false, torch_sgd = false, torch_linear = false;
+  std::string shard = "auto";
+  bool torch_sgd = false, torch_linear = false;
   CLI::App app{"replica's side of ../shared/bench/ddp_mlp.py"};
   app.add_option("--hidden", hidden, "Hidden width")->capture_default_str();
   app.add_option("--layers", layers, "Hidden layers")->capture_default_str();
@@ -28,7 +29,11 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "Timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads per rank")->capture_default_str();
-  app.add_flag("--shard-optimizer", shard_optimizer, "DDP steps 1/N of the parameters per rank (params.shard_optimizer)");
+  app.add_option("--shard-optimizer", shard,
+                 "DDP steps 1/N of the parameters per rank (params.shard_optimizer): auto (as the trainer: on "
+                 "when the ranks share one host), true or false")
+      ->check(CLI::IsMember({"auto", "true", "false"}))
+      ->capture_default_str();
   app.add_flag("--torch-sgd", torch_sgd, "torch::optim::SGD instead of replica's FusedSGD (the trainer's sgd)");
   app.add_flag("--torch-linear", torch_linear,
                "torch::nn::Linear instead of replica's FusedLinear (the mlp model's layers, which write weight "
@@ -61,7 +66,7 @@ int main(int argc, char** argv) {
   }
   push_linear(in, 10);
   replica::ddp::DDPOptions ddp_options;
-  ddp_options.shard_optimizer = shard_optimizer;
+  ddp_options.shard_optimizer = shard == "auto" ? pg->shares_memory() : shard == "true";
   replica::ddp::DistributedDataParallel ddp(model.ptr(), pg, ddp_options);
   const auto sgd_options = torch::optim::SGDOptions(0.05).momentum(0.9);
   std::unique_ptr<torch::optim::Optimizer> opt;

@@ -267,7 +267,24 @@ const std::vector<ParamField>& param_fields() {
     f.push_back(plain("stage3_max_live_parameters", &Params::stage3_max_live_parameters));
     f.push_back(plain("reduce_bucket_size", &Params::reduce_bucket_size));
     f.push_back(plain("overlap_comm", &Params::overlap_comm));
-    f.push_back(plain("shard_optimizer", &Params::shard_optimizer));
+    f.push_back({"shard_optimizer",
+                 [](Params& p, const YAML::Node& n, const std::string& key, const Context& ctx) {
+                   // auto (or null): decided by the trainer from where the workers run.
+                   if (n.IsNull() || (n.IsScalar() && n.Scalar() == "auto")) {
+                     p.shard_optimizer.reset();
+                     return;
+                   }
+                   auto value = n.IsScalar() ? parse_bool(n.Scalar()) : std::nullopt;
+                   if (!value) wrong_type(ctx, n, key, "true, false or 'auto'");
+                   p.shard_optimizer = *value;
+                 },
+                 [](YAML::Emitter& out, const Params& p) {
+                   if (p.shard_optimizer) {
+                     out << *p.shard_optimizer;
+                   } else {
+                     out << "auto";
+                   }
+                 }});
     f.push_back({"token",
                  [](Params& p, const YAML::Node& n, const std::string& key, const Context& ctx) {
                    p.token = read_string(n, key, ctx);

@@ -41,7 +41,9 @@ struct Params {
   bool overlap_comm = true;                         // prefetch the next layer's gather
   // DDP: each worker steps only its 1/N shard of the parameters (reduce-scatter, sharded
   // optimizer state, all-gather; ZeRO stage 2 inside DDP). Same result as plain DDP.
-  bool shard_optimizer = false;
+  // nullopt = auto: on when the workers share one host's memory and train on the CPU (there
+  // the parameters are kept once for all of them), off otherwise.
+  std::optional<bool> shard_optimizer;
 
   // Training loop.
   int epochs = 1;

@@ -231,6 +231,8 @@ TEST_F(ConfigTest, WrongTypesNameKeyAndValue) {
             "run.yaml:7: key 'params.hidden_sizes' must be a list of positive integers, got '0'");
   EXPECT_EQ(error_of(image_yaml("  nproc_per_node: 0\n")),
             "run.yaml:7: key 'params.nproc_per_node' must be a positive integer or 'auto', got '0'");
+  EXPECT_EQ(error_of(image_yaml("  shard_optimizer: sometimes\n")),
+            "run.yaml:7: key 'params.shard_optimizer' must be true, false or 'auto', got 'sometimes'");
   EXPECT_EQ(error_of("project_name: x\ndata: /tmp\n"),
             "run.yaml:2: key 'data' must be a mapping, got '/tmp'");
   EXPECT_EQ(error_of(llm_yaml("  lora_r: sixteen\n")),
@@ -353,6 +355,12 @@ TEST_F(ConfigTest, RoundTripsThroughYaml) {
   EXPECT_NE(to_yaml(llm).find("base_model: " + model_), std::string::npos);
   EXPECT_NE(to_yaml(parse_config(image_yaml("  nproc_per_node: auto\n"), "r")).find("nproc_per_node: auto"),
             std::string::npos);
+  // shard_optimizer: auto unless given (the trainer decides), written back as given.
+  EXPECT_FALSE(parse_config(image_yaml(""), "r").params.shard_optimizer.has_value());
+  EXPECT_NE(to_yaml(parse_config(image_yaml(""), "r")).find("shard_optimizer: auto"), std::string::npos);
+  EXPECT_EQ(parse_config(image_yaml("  shard_optimizer: false\n"), "r").params.shard_optimizer, false);
+  EXPECT_NE(to_yaml(parse_config(image_yaml("  shard_optimizer: true\n"), "r")).find("shard_optimizer: true"),
+            std::string::npos);
 }
 
 TEST_F(ConfigTest, TokenIsAcceptedButNeverWritten) {
@@ -410,6 +418,10 @@ TEST_F(ConfigTest, SetParamReadsFlagValuesLikeYaml) {
   set_param(c, "lora-r", "8");
   set_param(c, "chat-template", "chatml");
   set_param(c, "hidden_sizes", "[64, 32]");
+  set_param(c, "shard-optimizer", "false");
+  EXPECT_EQ(c.params.shard_optimizer, false);
+  set_param(c, "shard_optimizer", "auto");
+  EXPECT_FALSE(c.params.shard_optimizer.has_value());
   EXPECT_EQ(c.params.distributed_backend, "zero3");
   EXPECT_EQ(c.params.nproc_per_node, 0);
   EXPECT_EQ(c.params.epochs, 3);

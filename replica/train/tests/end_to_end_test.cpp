@@ -199,10 +199,15 @@ TEST_F(EndToEnd, TwoWorkersWithHalfTheBatchMatchOneWorker) {
   const auto a = load_tensors(project("one") / "final" / "model.safetensors");
   const auto b = load_tensors(project("two") / "final" / "model.safetensors");
   EXPECT_LE(max_abs_diff(a, b), 1e-5);
-  // The second run really had two workers.
+  // The second run really had two workers, and by default (shard_optimizer auto) two workers
+  // on one host share one copy of the parameters and each steps half of it.
   EXPECT_NE(two.all().find("2 workers"), std::string::npos) << two;
+  EXPECT_NE(two.all().find("backend ddp (sharded optimizer), parameters shared by the host's workers"),
+            std::string::npos)
+      << two;
   auto params = nlohmann::json::parse(read_file(project("two") / "training_params.json"));
   EXPECT_EQ(params.at("nproc_per_node"), 2);
+  EXPECT_EQ(params.at("shard_optimizer"), "auto");
   EXPECT_EQ(train_steps(metrics_of(project("two"))), one_to(20));  // rank 0 alone writes metrics
 }
 
@@ -592,7 +597,8 @@ TEST_F(EndToEnd, ShardedOptimizerEqualsDdp) {
   for (const std::string optimizer : {"sgd", "adamw"}) {
     std::map<std::string, std::string> params = {
         {"hidden_sizes", "[160, 32]"}, {"optimizer", optimizer}, {"lr", optimizer == "sgd" ? "0.05" : "0.002"},
-        {"max_grad_norm", "1.0"},      {"gradient_accumulation", "2"}, {"max_steps", "12"}};
+        {"max_grad_norm", "1.0"},      {"gradient_accumulation", "2"}, {"max_steps", "12"},
+        {"shard_optimizer", "false"}};
     const fs::path plain = write_config("plain-" + optimizer, params);
     params["shard_optimizer"] = "true";
     const fs::path sharded = write_config("sharded-" + optimizer, params);
@@ -623,7 +629,8 @@ TEST_F(EndToEnd, ShardedOptimizerEqualsDdp) {
 // resume bit for bit sharded, and on one worker without sharding.
 TEST_F(EndToEnd, ShardedOptimizerCheckpointsResumeOnAnyWorldSize) {
   std::map<std::string, std::string> params = {{"hidden_sizes", "[160]"}, {"optimizer", "adamw"}, {"lr", "0.002"},
-                                               {"checkpoint_every", "10"}, {"deterministic", "true"}};
+                                               {"checkpoint_every", "10"}, {"deterministic", "true"},
+                                               {"shard_optimizer", "false"}};
   const fs::path plain = write_config("plain", params);
   params["shard_optimizer"] = "true";
   const fs::path sharded = write_config("sharded", params);
