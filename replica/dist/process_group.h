@@ -82,7 +82,7 @@ class ProcessGroup {
   torch::Tensor alloc_buffer(int64_t numel, torch::ScalarType dtype);
 
   // In-place sum across ranks. Asynchronous: the tensor must not be touched until wait().
-  // float32/bfloat16/float16 CPU tensors take the shared-memory transport when it is active
+  // float32/bfloat16/float16/float64 CPU tensors take the shared-memory transport when it is active
   // (issued in order on its own thread); everything else goes through the backend (Gloo).
   // `file`/`line` name the call site in collective timeout and desync reports.
   Work allreduce_sum(torch::Tensor& tensor, const char* file = __builtin_FILE(), int line = __builtin_LINE());
