@@ -66,7 +66,11 @@ int main(int argc, char** argv) {
   }
   push_linear(in, 10);
   replica::ddp::DDPOptions ddp_options;
-  ddp_options.shard_optimizer = shard == "auto" ? pg->shares_memory() : shard == "true";
+  if (shard == "auto") {
+    ddp_options.shard_optimizer.reset();  // as the trainer: DDP decides
+  } else {
+    ddp_options.shard_optimizer = shard == "true";
+  }
   replica::ddp::DistributedDataParallel ddp(model.ptr(), pg, ddp_options);
   const auto sgd_options = torch::optim::SGDOptions(0.05).momentum(0.9);
   std::unique_ptr<torch::optim::Optimizer> opt;

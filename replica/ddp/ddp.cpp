@@ -114,7 +114,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     names_.push_back(item.key());
   }
   if (pg_->size() <= 1) return;  // world size 1: no hooks, no buckets, no cost
-  sharded_ = options_.shard_optimizer;
+  sharded_ = options_.shard_optimizer.value_or(parameters_can_be_shared());
 
   std::vector<size_t> reverse(params_.size());
   std::iota(reverse.rbegin(), reverse.rend(), 0);
@@ -360,6 +360,11 @@ void DistributedDataParallel::rebuild_buckets() {
   arrival_order_.clear();
 }
 
+bool DistributedDataParallel::parameters_can_be_shared() const {
+  return pg_->shares_memory() &&
+         std::all_of(params_.begin(), params_.end(), [](const torch::Tensor& p) { return p.device().is_cpu(); });
+}
+
 void DistributedDataParallel::build_shards() {
   torch::NoGradGuard no_grad;
   shards_.clear();
@@ -368,8 +373,7 @@ void DistributedDataParallel::build_shards() {
   // barrier replaces the all-gather (no copy, and one copy of the parameters per host instead
   // of one per worker). Otherwise each worker's own buffer (shared memory where it can be),
   // which the all-gather fills.
-  shared_params_ = pg_->shares_memory() &&
-                   std::all_of(params_.begin(), params_.end(), [](const torch::Tensor& p) { return p.device().is_cpu(); });
+  shared_params_ = parameters_can_be_shared();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     const auto& first = params_[bucket.params.front()];

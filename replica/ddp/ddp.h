@@ -54,6 +54,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,8 +70,10 @@ struct DDPOptions {
   // starts, so their buckets do not wait for the end of backward. Implies that unused
   // parameters are allowed.
   bool static_graph = false;
-  // Each worker steps only its shard of the parameters (see the top of this file).
-  bool shard_optimizer = false;
+  // Each worker steps only its shard of the parameters (see the top of this file). nullopt =
+  // auto: on when the workers share one host's memory and every parameter is on the CPU (then
+  // they step one shared copy; the faster step there, bench/README.md), off otherwise.
+  std::optional<bool> shard_optimizer = false;
 };
 
 // One bucket as a communication hook sees it.
@@ -217,6 +220,8 @@ class DistributedDataParallel {
   bool static_known_ = false;
   double comm_wait_seconds_ = 0;
   bool sharded_ = false;
+  // On one host with every parameter on the CPU: one copy of the parameters can serve all workers.
+  bool parameters_can_be_shared() const;
   bool shared_params_ = false;  // sharded, one node: the parameters are one copy every worker maps
   std::vector<Shard> shards_;
 };

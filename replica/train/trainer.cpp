@@ -312,12 +312,7 @@ int run_worker(const io::RunConfig& config) {
     zero = std::make_unique<zero::Zero3>(model, pg, zopt);
   } else {
     ddp::DDPOptions dopt;
-    // shard_optimizer auto: on when the workers share this host's memory and train on the CPU,
-    // where they then keep one copy of the parameters and each steps 1/N of it (the faster
-    // step: bench/README.md); plain DDP across hosts and on accelerators.
-    bool on_cpu = true;
-    for (const auto& param : model->parameters()) on_cpu = on_cpu && param.device().is_cpu();
-    dopt.shard_optimizer = p.shard_optimizer.value_or(pg->shares_memory() && on_cpu);
+    dopt.shard_optimizer = p.shard_optimizer;  // nullopt: auto, decided by DDP
     ddp = std::make_unique<ddp::DistributedDataParallel>(model, pg, dopt);
   }
   // shard_optimizer: DDP hands the optimizer this worker's shards instead of the parameters.
