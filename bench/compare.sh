@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# replica vs PyTorch DDP (Debian's python3-torch, Gloo) on the peer's workloads, alternating
+# replica vs PyTorch DDP (PyTorch 2.x from the same wheel replica builds against, in .venv;
+# Gloo, CPU) on the peer's workloads, alternating
 # runs in one sitting. Prints samples/s of each side, the ratio, and each side's scaling
 # efficiency (world-2 samples/s over twice world-1 samples/s). See bench/README.md.
 #   bench/compare.sh [ROUNDS] [small|large|all]
@@ -11,8 +12,9 @@ ROUNDS=${1:-3}
 WHICH=${2:-all}
 PEER=${PEER_DIR:-../shared/bench}
 BIN=${BUILD_DIR:-build}
-command -v /usr/bin/python3 >/dev/null && /usr/bin/python3 -c 'import torch' 2>/dev/null || {
-  echo "compare: needs Debian's python3-torch (apt-get install python3-torch)" >&2; exit 1; }
+PY=${PEER_PYTHON:-.venv/bin/python}
+"$PY" -c 'import torch' 2>/dev/null || {
+  echo "compare: needs torch in $PY (scripts/setup.sh installs it into .venv; or set PEER_PYTHON)" >&2; exit 1; }
 
 small="--hidden 1024 --layers 2 --batch 128 --steps 200"
 large="--hidden 4096 --layers 4 --batch 16 --steps 20 --warmup 3"
@@ -22,7 +24,7 @@ workloads=()
 
 port=29700
 sps() { sed -n 's/.*samples\/s=\([0-9.]*\).*/\1/p'; }
-run_peer() { port=$((port + 1)); "$PEER/spawn.sh" "$1" $port /usr/bin/python3 "$PEER/ddp_mlp.py" $2 2>/dev/null | sps; }
+run_peer() { port=$((port + 1)); "$PEER/spawn.sh" "$1" $port "$PY" "$PEER/ddp_mlp.py" $2 2>/dev/null | sps; }
 run_replica() {
   if [ "$1" = 1 ]; then OMP_NUM_THREADS=1 "$BIN/bench/bench_ddp_mlp" $2 ${REPLICA_BENCH_ARGS:-} | sps
   else "$BIN/replica" launch --nproc-per-node "$1" --threads-per-worker 1 -- "$BIN/bench/bench_ddp_mlp" $2 ${REPLICA_BENCH_ARGS:-} | sps; fi

@@ -1,11 +1,14 @@
 # PyTorch eager side of bench/llama_step.cpp: the same ~20M Llama (the plain-torch reference
 # implementation the model tests compare against), batch x 256 tokens, AdamW, one thread.
-# usage: /usr/bin/python3 bench/llama_step.py [--batch 4 --seq 256 --steps 10 --warmup 2]
+# usage: .venv/bin/python bench/llama_step.py [--batch 4 --seq 256 --steps 10 --warmup 2] [--compile]
+# --compile times torch.compile(model) (Inductor, CPU) instead of eager; the warm-up steps
+# include the compilation.
 import argparse, os, sys, time
 p = argparse.ArgumentParser()
 for k, v in [("batch", 4), ("seq", 256), ("steps", 10), ("warmup", 2), ("threads", 1)]:
     p.add_argument("--" + k, type=int, default=v)
 p.add_argument("--profile", default="", help="write a Chrome trace of the timed steps")
+p.add_argument("--compile", action="store_true", help="torch.compile the model (Inductor) instead of eager")
 a = p.parse_args()
 # One thread means one: OpenBLAS reads OMP_NUM_THREADS when it loads (as under the peer harness,
 # ../shared/bench/spawn.sh), while torch.set_num_threads alone leaves it a second GEMM thread.
@@ -21,11 +24,12 @@ config = ref.hf_config("bench", model_type="llama", hidden_size=512, intermediat
                        rope_scaling=None, pad_token_id=None)
 model = ref.ForCausalLM(config)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+forward = torch.compile(model) if a.compile else model
 g = torch.Generator().manual_seed(1)
 def step():
     ids = torch.randint(0, config["vocab_size"], (a.batch, a.seq), generator=g)
     opt.zero_grad(set_to_none=True)
-    loss = ref.for_causal_lm_loss(model(ids), ids)
+    loss = ref.for_causal_lm_loss(forward(ids), ids)
     loss.backward(); opt.step(); return loss
 for _ in range(a.warmup): step()
 prof = torch.autograd.profiler.profile() if a.profile else None
@@ -37,5 +41,5 @@ if prof:
     prof.__exit__(None, None, None)
     prof.export_chrome_trace(a.profile)
 n = sum(p.numel() for p in model.parameters())
-print(f"side=pytorch-eager params={n} batch={a.batch} seq={a.seq} steps/s={a.steps/dt:.3f} "
+print(f"side=pytorch-{'compile' if a.compile else 'eager'} params={n} batch={a.batch} seq={a.seq} steps/s={a.steps/dt:.3f} "
       f"tokens/s={a.steps*a.batch*a.seq/dt:.1f} cpu_tokens/s={a.steps*a.batch*a.seq/cpu:.1f} loss={loss.item():.4f}")

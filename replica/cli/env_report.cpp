@@ -2,6 +2,7 @@
 
 #include "replica/core/system.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
@@ -113,6 +114,9 @@ BlasInfo loaded_blas() {
     if (dladdr(sgemm, &info) != 0 && info.dli_fname) {
       char resolved[PATH_MAX];
       const std::string path = realpath(info.dli_fname, resolved) ? resolved : info.dli_fname;
+      // PyTorch's wheels link MKL statically into libtorch_cpu.so: sgemm_ lives there, and the
+      // loader's choice of libblas cannot change what LibTorch uses.
+      if (classify(path) == "unknown" && at::hasMKL()) return {"MKL, statically linked into " + path, "mkl"};
       return {path, classify(path)};
     }
   }

@@ -25,8 +25,10 @@ struct LlmArgs {
 };
 LlmArgs parse_llm_args(const std::vector<std::string>& args);
 
-// `replica tokenize --tokenizer DIR [--chat] [--chat-template MODE]` on stdin/stdout.
-int tokenize_command(const std::string& tokenizer_dir, bool chat, const std::string& chat_template);
+// `replica tokenize --tokenizer DIR [--chat] [--chat-template MODE] [--json-lines]` on
+// stdin/stdout. With json_lines each stdin line is one text as a JSON string.
+int tokenize_command(const std::string& tokenizer_dir, bool chat, const std::string& chat_template,
+                     bool json_lines = false);
 
 // `replica merge-adapter --model DIR --adapter DIR --out DIR`.
 int merge_adapter_command(const std::string& model_dir, const std::string& adapter_dir, const std::string& out_dir);

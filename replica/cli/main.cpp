@@ -114,13 +114,17 @@ int run_main(int argc, char** argv) {
   app.add_subcommand("llm", "Fine-tune (--train) or evaluate (--eval) an LLM with AutoTrain's flags; "
                             "`replica llm --help`, `replica llm init-demo DIR`");
 
-  auto* tokenize = app.add_subcommand("tokenize", "Token ids of stdin, one text (or with --chat one JSON messages "
-                                                  "list) per line; one JSON id list per line on stdout");
+  auto* tokenize = app.add_subcommand("tokenize", "Token ids of stdin, one text (with --json-lines one JSON string, "
+                                                  "with --chat one JSON messages list) per line; one JSON id list "
+                                                  "per line on stdout");
   std::string tokenizer_dir, tokenize_template = "tokenizer";
-  bool tokenize_chat = false;
+  bool tokenize_chat = false, tokenize_json_lines = false;
   tokenize->add_option("--tokenizer", tokenizer_dir, "Directory with tokenizer.json or tokenizer.model")
       ->required()->check(CLI::ExistingDirectory);
   tokenize->add_flag("--chat", tokenize_chat, "Lines are chats, rendered with the chat template");
+  tokenize->add_flag("--json-lines,--json_lines", tokenize_json_lines,
+                     "Each line is one text as a JSON string (\"a\\nb\"), so texts may hold line breaks "
+                     "(with --chat lines are JSON already)");
   tokenize->add_option("--chat-template,--chat_template", tokenize_template, "tokenizer, chatml or llama3")
       ->check(CLI::IsMember({"tokenizer", "chatml", "llama3"}))->capture_default_str();
 
@@ -199,7 +203,9 @@ int run_main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) opts.command.emplace_back(argv[i]);
     return replica::launch::run(opts);
   }
-  if (*tokenize) return replica::cli::tokenize_command(tokenizer_dir, tokenize_chat, tokenize_template);
+  if (*tokenize) {
+    return replica::cli::tokenize_command(tokenizer_dir, tokenize_chat, tokenize_template, tokenize_json_lines);
+  }
   if (*merge) return replica::cli::merge_adapter_command(merge_model, merge_adapter, merge_out);
   if (*mds) return replica::cli::run_mds_command(*mds_command);
   if (*plot_cmd) {

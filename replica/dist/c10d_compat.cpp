@@ -1,4 +1,21 @@
-// Every c10d call whose shape differs between LibTorch 1.13 and 2.x lives here.
+// Every c10d call replica makes lives here, so that a change of LibTorch touches one file.
+//
+// Note [Gloo's headers]: ProcessGroupGloo.hpp includes <gloo/...>, and PyTorch's wheels ship
+// no Gloo headers, while libtorch_cpu.so carries (and exports) its own Gloo. We compile this one
+// file against Debian's libgloo-dev headers (an older Gloo commit) and use Gloo's types only
+// through pointers: `Options::devices` holds shared_ptr<gloo::transport::Device> made by
+// libtorch's own createDevice* functions, and ProcessGroupGloo's members that name Gloo types
+// are pointers too, so no Gloo object layout is compiled into replica. What must not happen is
+// replica emitting Gloo code of its own (an inline Gloo function, or the vtable of
+// ProcessGroupGloo::GlooStore, whose base class differs between the two commits), which could
+// then interpose libtorch's: this file constructs no Gloo type, and the CTest
+// `NoGlooCodeOfOurOwn` checks with nm that no replica binary defines a gloo:: symbol or
+// GlooStore's vtable. Only this file sees the Gloo headers (USE_C10D_GLOO is set on it alone).
+//
+// Note [NCCL]: ProcessGroupNCCL's Options change layout with the NCCL version (NCCL_HAS_CONFIG
+// and friends), so this file compiles against the NCCL headers of the wheel's nvidia-nccl
+// package (the library libtorch_cuda.so loads), falling back to the CUDA toolkit's. Built
+// only where LibTorch has CUDA (REPLICA_WITH_CUDA); a CPU LibTorch builds without it.
 #include "replica/dist/c10d_compat.h"
 
 #include "replica/core/error.h"
@@ -10,6 +27,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/version.h>
+#ifdef REPLICA_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace replica::dist {
 
@@ -42,17 +62,8 @@ bool Work::done() const { return !impl_ || impl_->done(); }
 
 // ---- ProcessGroup -------------------------------------------------------------------------
 
-// LibTorch 1.13: ProcessGroupGloo derives from c10d::ProcessGroup.
-// LibTorch 2.x: it derives from c10d::Backend; both expose the same collective calls, so the
-// pointer type is the only difference.
-#if TORCH_VERSION_MAJOR >= 2
-using GlooPtr = c10::intrusive_ptr<c10d::Backend>;
-#else
-using GlooPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
-#endif
-
 struct ProcessGroup::Impl {
-  GlooPtr backend;                     // null for world size 1
+  c10::intrusive_ptr<c10d::Backend> backend;  // Gloo or NCCL; null for world size 1
   c10::intrusive_ptr<c10d::Store> store;
 };
 
@@ -82,12 +93,6 @@ auto guarded(int rank, const char* what, F&& f) -> decltype(f()) {
 
 Work ProcessGroup::backend_allreduce_sum(torch::Tensor& tensor) {
   if (!impl_ || !impl_->backend) return Work();
-#if TORCH_VERSION_MAJOR < 2
-  if (tensor.scalar_type() == at::kBFloat16) {
-    fail("rank {}: Gloo in LibTorch {} cannot all-reduce bfloat16 tensors; use the shared-memory "
-         "transport (one host) or fp16", rank(), TORCH_VERSION);
-  }
-#endif
   std::vector<at::Tensor> tensors{tensor};
   auto work = guarded(rank(), "all-reduce", [&] {
     return impl_->backend->allreduce(tensors, c10d::AllreduceOptions{});
@@ -190,15 +195,13 @@ class LockedStore final : public c10d::Store {
            timeout.count() / 1000.0, keys.size() == 1 ? "key '" + keys[0] + "'" : fmt::format("{} keys", keys.size()));
     }
   }
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-  // 2.5+: a second connection to the same server (the server stays with the original).
+  // A second connection to the same server (the server stays with the original).
   c10::intrusive_ptr<c10d::Store> clone() override {
     auto client = rdzv::Client::connect(client_->host(), client_->port(), client_->token(),
                                         rdzv::Clock::now() + timeout_);
     if (!client) fail("rendezvous at {}:{} is gone", client_->host(), client_->port());
     return c10::make_intrusive<LockedStore>(std::move(client), nullptr, timeout_);
   }
-#endif
 
  private:
   std::shared_ptr<rdzv::Client> client_;
@@ -239,9 +242,29 @@ std::shared_ptr<ProcessGroup> make_process_group(const std::shared_ptr<Store>& s
                                                  const ProcessGroupOptions& options) {
   auto tcp = std::dynamic_pointer_cast<StoreHandle>(store);
   if (!tcp) fail("internal: process group needs the rendezvous store");
+  auto impl = std::make_unique<ProcessGroup::Impl>();
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix + "user/", tcp->store);
+  if (options.backend == "nccl") {
+#ifdef REPLICA_WITH_CUDA
+    auto pg_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "nccl/", tcp->store);
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = options.collective_timeout;
+    impl->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, world.rank, world.world_size,
+                                                                nccl_options);
+    return std::make_shared<ProcessGroup>(world, std::move(impl));
+#else
+    fail("distributed backend 'nccl' needs a LibTorch built with CUDA; this replica was built against "
+         "LibTorch {} without CUDA (available: gloo)", TORCH_VERSION);
+#endif
+  }
   if (options.backend != "gloo") {
-    fail("distributed backend '{}' is not available in this build (available: gloo)",
-         options.backend);
+    fail("distributed backend '{}' is not known (available: gloo{})", options.backend,
+#ifdef REPLICA_WITH_CUDA
+         ", nccl"
+#else
+         ""
+#endif
+    );
   }
   auto pg_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "gloo/", tcp->store);
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.collective_timeout);
@@ -254,8 +277,6 @@ std::shared_ptr<ProcessGroup> make_process_group(const std::shared_ptr<Store>& s
   } else {
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
-  auto impl = std::make_unique<ProcessGroup::Impl>();
-  impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix + "user/", tcp->store);
   impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, world.rank,
                                                                world.world_size, gloo_options);
   return std::make_shared<ProcessGroup>(world, std::move(impl));

@@ -1,7 +1,6 @@
-// Internal: the only place that touches c10d types. LibTorch 1.13 (Debian) and 2.x differ in
-// how process groups are built (1.13: ProcessGroupGloo is a ProcessGroup; 2.x: a Backend
-// behind ProcessGroup) and in the NCCL build; everything version-specific is in
-// c10d_compat.cpp so the rest of replica never names a c10d class.
+// Internal: the only place that touches c10d types. c10d's C++ API is not stable between
+// LibTorch releases (how backends are built, Store's virtuals, the Gloo and NCCL headers), so
+// every c10d call is in c10d_compat.cpp and the rest of replica never names a c10d class.
 #pragma once
 
 #include "replica/dist/process_group.h"

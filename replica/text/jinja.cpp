@@ -2446,20 +2446,22 @@ struct Symbols {
     stores.insert(n);
     refs[n] = LoadKind::Param;
   }
+  // Jinja2 >= 3.1.5: a name that any branch assigns (and the frame did not before) starts
+  // from the context or the enclosing frame, even when every branch assigns it (3.1.2 left
+  // a name assigned in all of body, elifs and else missing until then).
   void branch_update(const std::vector<Symbols>& branches) {
-    std::unordered_map<std::string, size_t> counts;
+    std::unordered_set<std::string> new_stores;
     for (const auto& b : branches) {
       for (const auto& t : b.stores) {
-        if (!stores.count(t)) ++counts[t];
+        if (!stores.count(t)) new_stores.insert(t);
       }
     }
     for (const auto& b : branches) {
       for (const auto& kv : b.refs) refs[kv.first] = kv.second;
       stores.insert(b.stores.begin(), b.stores.end());
     }
-    for (const auto& kv : counts) {
-      if (kv.second == branches.size()) continue;
-      refs[kv.first] = (parent && parent->find_ref(kv.first)) ? LoadKind::Alias : LoadKind::Resolve;
+    for (const auto& n : new_stores) {
+      refs[n] = (parent && parent->find_ref(n)) ? LoadKind::Alias : LoadKind::Resolve;
     }
   }
   std::vector<std::string> undefined_names() const {

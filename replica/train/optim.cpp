@@ -84,7 +84,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const torch::Tensor& g = p.grad();
-      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      void* const key = p.unsafeGetTensorImpl();  // LibTorch keys optimizer state by TensorImpl
       auto it = state_.find(key);
       const bool first = it == state_.end();
       torch::Tensor buf;
@@ -145,7 +145,8 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
 
 namespace {
 
-std::string key_of(const torch::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+// LibTorch keys an optimizer's per-parameter state by the parameter's TensorImpl.
+void* key_of(const torch::Tensor& p) { return p.unsafeGetTensorImpl(); }
 
 }  // namespace
 

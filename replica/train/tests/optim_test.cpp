@@ -314,7 +314,7 @@ TEST(FusedSGD, MatchesTorchSgd) {
     }
     if (o.momentum != 0) {
       for (size_t i = 0; i < a.size(); ++i) {
-        auto key = [](const torch::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); };
+        auto key = [](const torch::Tensor& t) -> void* { return t.unsafeGetTensorImpl(); };
         const auto& ra = static_cast<torch::optim::SGDParamState&>(*reference.state().at(key(a[i])));
         const auto& rb = static_cast<torch::optim::SGDParamState&>(*fused.state().at(key(b[i])));
         EXPECT_TRUE(torch::allclose(ra.momentum_buffer(), rb.momentum_buffer(), 1e-6, 1e-6)) << "buffer " << i;

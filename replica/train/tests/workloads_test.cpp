@@ -125,7 +125,11 @@ TEST_F(Workloads, TwoTowerWorld2EqualsWorld1AtTheSameGlobalBatch) {
   const auto a = load_tensors(dir_ / "one" / "final" / "model.safetensors");
   const auto b = load_tensors(dir_ / "two" / "final" / "model.safetensors");
   ASSERT_EQ(a.size(), b.size());
-  EXPECT_LE(max_abs_diff(a, b), 1e-5);
+  // Summing the batch's gradient as 64 rows or as 2 x 32 rounds differently, and AdamW turns a
+  // rounding difference in a near-zero gradient into one of up to lr (5e-3) per step. With the
+  // MKL inside PyTorch's wheel that reaches 1.35e-5 after 10 steps (1.13's OpenBLAS: < 1e-5); a
+  // negative set that did not span the global batch differs by > 1e-3.
+  EXPECT_LE(max_abs_diff(a, b), 2e-5);
   // And the runs trained (the comparison is not between two untouched initialisations).
   std::vector<double> losses;
   for (const auto& j : metrics_of(dir_ / "two")) {

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Reference renderings of chat templates and Jinja snippets by Python's Jinja2.
 
 Sets Jinja2 up as transformers does (transformers/utils/chat_template_utils.py,
@@ -9,8 +9,12 @@ apply_chat_template: render(messages=..., tools=..., documents=...,
 add_generation_prompt=..., **special_tokens, **kwargs).
 
 Writes expected.json next to this script (or to --out PATH): every case with its output
-(or error), which chat_template_test.cpp compares with replica's renderer byte for byte.
-Run it with Debian's python3-jinja2:  /usr/bin/python3 render_reference.py
+(or error), which chat_template_test.cpp compares with replica's renderer byte for byte
+(and chat_template_conformance_test.cpp runs this script live and compares again). Run it
+with the project's virtual environment, whose PyPI Jinja2 is pinned in
+scripts/requirements-test.txt:
+
+    .venv/bin/python replica/text/tests/chat_templates/render_reference.py
 """
 
 import argparse
@@ -522,6 +526,11 @@ SNIPPETS = [
     ("{% for i in [1] %}{{ x }}{% endfor %}{% if false %}{% set x = 5 %}{% endif %}", {"x": "hi"}),
     ("{% for i in [1] %}{{ x }}{% endfor %}{% if c %}{% set x = 1 %}{% else %}{% set x = 2 %}{% endif %}", {"x": "hi", "c": True}),
     ("{% for i in [1] %}{{ x }}{% endfor %}{% if c %}{% set x = 1 %}{% elif d %}{% set x = 3 %}{% else %}{% set x = 2 %}{% endif %}", {"x": "hi", "c": True}),
+    # Jinja2 3.1.5 changed this: a name assigned in every branch (if, elifs and else) starts
+    # from the context too (3.1.2 left it missing for the frame, as an unconditional set)
+    ("{% macro m() %}{{ x }}{% endmacro %}{{ m() }}|{% if c %}{% set x = 1 %}{% elif d %}{% set x = 3 %}{% else %}{% set x = 2 %}{% endif %}{{ x }}|{{ m() }}", {"x": "hi", "c": False, "d": False}),
+    ("{% for i in [1] %}{% for j in [1] %}{{ x }}{% endfor %}|{% if c %}{% set x = 1 %}{% elif d %}{% set x = 3 %}{% else %}{% set x = 2 %}{% endif %}{{ x }}{% endfor %}|{{ x }}", {"x": "hi", "c": False, "d": True}),
+    ("{% with a = 1 %}{% for j in [1] %}{{ y }}{% endfor %}|{% if c %}{% set y = 1 %}{% elif d %}{% set y = 2 %}{% elif e %}{% set y = 3 %}{% else %}{% set y = 4 %}{% endif %}{{ y }}{% endwith %}", {"y": "hi", "c": False, "d": False, "e": True}),
     ("{% for i in [1] %}{% for j in [1] %}{{ x }}{% endfor %}{% set x = 1 %}{% endfor %}", {"x": "hi"}),
     ("{{ x }}{% for i in [1] %}{% for j in [1] %}{{ x }}{% endfor %}{% set x = 1 %}{% endfor %}", {"x": "hi"}),
     ("{% macro m() %}{% for j in [1] %}{{ y }}{% endfor %}{% set y = 2 %}{{ y }}{% endmacro %}{{ m() }}", {"y": "hi"}),

@@ -1,21 +1,30 @@
-#!/usr/bin/env node
-// Writes corpus.jsonl: one JSON string per line, the texts the tokenizer conformance test
-// encodes. Deterministic (fixed PRNG seed): running it again gives the same file.
-//
-// Texts are JSON strings so that they can hold newlines, carriage returns, tabs and any code
-// point. The corpus covers: many languages and scripts, code with indentation and tabs,
-// emoji (ZWJ sequences, skin tones, flags, keycaps), runs of spaces and newlines, every
-// Unicode white space character, digits and long numbers in several scripts, NFC vs NFD
-// forms, special tokens of the three vocabularies written in the text, characters whose
-// Unicode properties changed between versions, and random code points from many blocks.
-'use strict';
-const fs = require('fs');
-const path = require('path');
+#!/usr/bin/env python3
+"""Writes corpus.jsonl: one JSON string per line, the texts the tokenizer conformance test
+encodes. Deterministic (fixed PRNG seed): running it again gives the same file, byte for byte
+the file that its JavaScript original (gen_corpus.js, before the move off npm) wrote.
 
-const lines = [];
-const add = (...xs) => { for (const x of xs) lines.push(x); };
+    .venv/bin/python replica/text/tests/conformance/gen_corpus.py [--out FILE]
 
-// ---- natural languages ----
+Texts are JSON strings so that they can hold newlines, carriage returns, tabs and any code
+point. The corpus covers: many languages and scripts, code with indentation and tabs,
+emoji (ZWJ sequences, skin tones, flags, keycaps), runs of spaces and newlines, every
+Unicode white space character, digits and long numbers in several scripts, NFC vs NFD
+forms, special tokens of the three vocabularies written in the text, characters whose
+Unicode properties changed between versions, and random code points from many blocks.
+"""
+import argparse
+import json
+import pathlib
+import unicodedata
+
+lines = []
+
+
+def add(*xs):
+    lines.extend(xs)
+
+
+# ---- natural languages ----
 add(
   'Hello world',
   'Hello, world! How are you doing today?',
@@ -73,9 +82,9 @@ add(
   'Currency: $100, €200, £300, ¥400, ₹500, ₩600, ₿0.001, 5¢',
   'Old scripts and rare planes: 𐌰𐌱𐌲 𒀀𒀁 𓀀𓀁 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝕿𝖊𝖝𝖙 𝟙𝟚𝟛',
   'Box drawing ┌─┬─┐ │ │ │ └─┴─┘ and blocks ▁▂▃▄▅▆▇█ and braille ⠓⠑⠇⠇⠕',
-);
+)
 
-// ---- emoji ----
+# ---- emoji ----
 add(
   'Emoji: 😀😃😄😁😆😅😂🤣🥲☺️😊',
   'Thumbs up with skin tones: 👍 👍🏻 👍🏼 👍🏽 👍🏾 👍🏿',
@@ -86,9 +95,9 @@ add(
   'emoji🙂glued🙂to🙂words and 🙂 spaced 🙂',
   '🔥🔥🔥🔥🔥🔥🔥🔥🔥🔥🔥🔥🔥🔥🔥🔥',
   'Kaomoji: (╯°□°）╯︵ ┻━┻  ¯\\_(ツ)_/¯  ( ͡° ͜ʖ ͡°)',
-);
+)
 
-// ---- source code ----
+# ---- source code ----
 add(
   'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n',
   'class Foo:\n\tdef __init__(self):\n\t\tself.x = {"a": [1, 2, 3]}\n\n\tdef bar(self, *args, **kwargs):\n\t\treturn None\n',
@@ -112,30 +121,31 @@ add(
   '// comment\n/* block\n   comment */\n# hash comment\n-- sql comment\n<!-- html comment -->',
   '\\documentclass{article}\n\\begin{document}\n$E = mc^2$ and \\(\\frac{a}{b}\\)\n\\end{document}',
   'diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1,3 +1,3 @@\n-old line\n+new line\n context',
-);
+)
 
-// ---- white space ----
-for (let n = 1; n <= 16; n++) add(' '.repeat(n), 'a' + ' '.repeat(n) + 'b');
-add(' '.repeat(33) + 'x', 'x' + ' '.repeat(100), ' '.repeat(257));
-for (let n = 1; n <= 8; n++) add('\n'.repeat(n), 'line' + '\n'.repeat(n) + 'next');
+# ---- white space ----
+for n in range(1, 17):
+    add(' ' * n, 'a' + ' ' * n + 'b')
+add(' ' * 33 + 'x', 'x' + ' ' * 100, ' ' * 257)
+for n in range(1, 9):
+    add('\n' * n, 'line' + '\n' * n + 'next')
 add(
   '\t', '\t\t\t', 'a\tb\t\tc\t\t\td', '\r\n', 'a\r\nb\r\n\r\nc', 'a\rb', '\r\r\n\n',
   ' \n ', '  \n  \n  ', 'x \n y', 'x\n \ny', 'end with newline\n', '\nstart with newline',
   'spaces before newline   \nand after\n   indented', '\n\n\n   \n\n\t\n',
   'a\u000Bb\u000Cc', 'a\u001Cb\u001Dc\u001Ed\u001Ff',
-);
-// Every Unicode White_Space character, and some look-alikes that are not.
-const spaces = [
+)
+# Every Unicode White_Space character, and some look-alikes that are not.
+spaces = [
   '\u0085', '\u00A0', '\u1680', '\u2000', '\u2001', '\u2002', '\u2003', '\u2004', '\u2005',
   '\u2006', '\u2007', '\u2008', '\u2009', '\u200A', '\u2028', '\u2029', '\u202F', '\u205F',
   '\u3000', '\u180E', '\u200B', '\u200C', '\u200D', '\u2060', '\uFEFF',
-];
-for (const s of spaces) {
-  add(`a${s}b`, `word${s}${s}word`, `${s}lead`, `trail${s}`, `x ${s} y`, `1${s}2`, `.${s}\n`);
-}
-add(spaces.join(''), spaces.join(' '), 'Non\u00A0breaking\u00A0spaces\u00A0everywhere', 'Ideographic\u3000space\u3000here');
+]
+for s in spaces:
+    add(f'a{s}b', f'word{s}{s}word', f'{s}lead', f'trail{s}', f'x {s} y', f'1{s}2', f'.{s}\n')
+add(''.join(spaces), ' '.join(spaces), 'Non\u00A0breaking\u00A0spaces\u00A0everywhere', 'Ideographic\u3000space\u3000here')
 
-// ---- digits and numbers ----
+# ---- digits and numbers ----
 add(
   '0', '12', '123', '1234', '12345', '123456', '1234567', '12345678901234567890',
   '3.14159265358979323846264338327950288419716939937510',
@@ -148,22 +158,23 @@ add(
   'Thai digits ๐๑๒๓ and Bengali ০১২৩ and Chinese 一二三 and Roman Ⅰ Ⅱ Ⅻ ⅿ',
   'Superscripts x² y³ and subscripts H₂O and fractions ½ ¼ ¾ ⅞ and circled ① ② ⑳',
   '2^64 = 18446744073709551616; 10! = 3628800; 1e-9; -0.0; +42; 007',
-  'a1b22c333d4444e55555', '1a22b333c4444d', '9'.repeat(50),
-);
+  'a1b22c333d4444e55555', '1a22b333c4444d', '9' * 50,
+)
 
-// ---- NFC vs NFD ----
-const nf = [
+# ---- NFC vs NFD ----
+nf = [
   'café', 'naïve', 'Åström', 'São Paulo', 'Ñandú', 'résumé', 'Crème brûlée', 'Zürich',
   'Ελληνικά', 'Việt Nam', '한국어', 'がぎぐげご パピプペポ', 'Ǆemal', 'ﬁnance ﬂower', 'Ω Å K',
-];
-for (const s of nf) add(s.normalize('NFC'), s.normalize('NFD'), s.normalize('NFKC'), s.normalize('NFKD'));
+]
+for s in nf:
+    add(*(unicodedata.normalize(form, s) for form in ('NFC', 'NFD', 'NFKC', 'NFKD')))
 add(
   'e\u0301 vs \u00E9', 'A\u030A vs \u00C5 vs \u212B', '\u2126 ohm vs \u03A9 omega', 'K\u0301\u0302\u0303\u0304 stacked',
   'a\u0300\u0301\u0302\u0303\u0304\u0305\u0306\u0307\u0308 zalgo-ish \u0334\u0335\u0336',
   '\u1100\u1161\u11A8 jamo vs \uAC01 syllable', 'ſ and \u017F and K\u212A', "it'\u017F and IT'\u212A",
-);
+)
 
-// ---- special tokens written in text ----
+# ---- special tokens written in text ----
 add(
   '<|begin_of_text|>Hello', '<|begin_of_text|><|begin_of_text|>', 'text<|end_of_text|>',
   '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n',
@@ -175,14 +186,14 @@ add(
   '<think>\nreasoning here\n</think>\n\nanswer', '<tool_call>{"name": "f"}</tool_call>',
   '<|vision_start|><|image_pad|><|vision_end|>', '<|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|>',
   'Mixing: <|begin_of_text|><s><|im_start|> all three', '   <|eot_id|>   ', '\n<|im_end|>\n',
-);
+)
 
-// ---- miscellaneous edge cases ----
+# ---- miscellaneous edge cases ----
 add(
   '', ' ', 'a', '.', '!', '?!', '...', '…', '—', '-', '_', '__init__', '@', '#', '$', '%', '^', '&', '*',
   '!!!!!!!!!!!!', '????', '........', '--------', '========', '________', '~~~~', '```python\nprint(1)\n```',
-  'a'.repeat(300), 'ab'.repeat(200), 'Lorem'.repeat(60),
-  'aGVsbG8gd29ybGQgdGhpcyBpcyBhIGJhc2U2NCBibG9iIG9mIHRleHQ=' + 'QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo='.repeat(5),
+  'a' * 300, 'ab' * 200, 'Lorem' * 60,
+  'aGVsbG8gd29ybGQgdGhpcyBpcyBhIGJhc2U2NCBibG9iIG9mIHRleHQ=' + 'QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo=' * 5,
   "'s 't 're 've 'm 'll 'd", "'S'T'RE'VE'M'LL'D", "''''", "'", "a'b", "rock'n'roll", "'hello'",
   'ALL CAPS SENTENCE WITH NUMBERS 123 AND PUNCTUATION!!!', 'camelCaseIdentifier snake_case_name kebab-case-name',
   'path/to/some/file.txt C:\\Windows\\System32 ~/.bashrc ../up/../and/./here',
@@ -190,24 +201,29 @@ add(
   'Replacement char \uFFFD and private use \uE000\uF8FF and noncharacter \uFDD0',
   'Control chars: \u0001\u0002\u0007\u001B[31mred\u001B[0m\u007F',
   'Soft\u00ADhyphen and zero\u200Bwidth and word\u2060joiner',
-);
+)
 
-// ---- long text and mixes ----
+# ---- long text and mixes ----
 add(
-  lines.slice(0, 30).join(' '),
-  lines.slice(30, 60).join('\n'),
-  'Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore et dolore magna aliqua. '.repeat(8),
-);
+  ' '.join(lines[0:30]),
+  '\n'.join(lines[30:60]),
+  'Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore et dolore magna aliqua. ' * 8,
+)
 
-// ---- random strings from a pool of tricky pieces (fixed seed) ----
-let seed = 0x5eed1234;
-const rand = (n) => {
-  seed ^= seed << 13; seed >>>= 0;
-  seed ^= seed >>> 17;
-  seed ^= seed << 5; seed >>>= 0;
-  return seed % n;
-};
-const pool = [
+# ---- random strings from a pool of tricky pieces (fixed seed) ----
+# xorshift32, as the JavaScript original computed it with 32-bit integers.
+seed = 0x5EED1234
+
+
+def rand(n):
+    global seed
+    seed = (seed ^ (seed << 13)) & 0xFFFFFFFF
+    seed ^= seed >> 17
+    seed = (seed ^ (seed << 5)) & 0xFFFFFFFF
+    return seed % n
+
+
+POOL = [
   ' ', ' ', ' ', '  ', '\n', '\n\n', '\t', '\r\n', '\u00A0', '\u3000', '\u0085', '\u2028', '\u200B', '\uFEFF',
   'a', 'the', 'The', 'hello', 'Hello', 'WORLD', 'don', "'", "'s", "'LL", '"', '.', ',', '!', '?', ':', ';', '-', '_',
   '(', ')', '[', ']', '{', '}', '<', '>', '|', '/', '\\', '#', '@', '$', '%', '&', '*', '+', '=', '~', '`', '^',
@@ -217,49 +233,57 @@ const pool = [
   '😀', '👍🏽', '👨‍👩‍👧', '🇩🇪', '1️⃣', '❤️', '𝔘', '𒀀',
   '<s>', '</s>', '<unk>', '<|begin_of_text|>', '<|eot_id|>', '<|im_start|>', '<|im_end|>', '<|endoftext|>', '<think>',
   '<|', '|>', '<', 's>', 'def ', 'return ', '    ', '\t\t', '=>', '::', '->', '!=', '==',
-];
-for (let k = 0; k < 240; k++) {
-  const n = 1 + rand(24);
-  let s = '';
-  for (let i = 0; i < n; i++) s += pool[rand(pool.length)];
-  add(s);
-}
+]
+for _ in range(240):
+    n = 1 + rand(24)
+    add(''.join(POOL[rand(len(POOL))] for _ in range(n)))
 
-// ---- characters whose properties differ between Unicode versions ----
-// The Rust engine normalizes with Unicode 11.0 tables and strips accents with Unicode 9.0
-// marks, while Rust's own char properties (Digits, \w, lowercase) are Unicode 16+.
+# ---- characters whose properties differ between Unicode versions ----
+# The Rust engine normalizes with Unicode 11.0 tables and strips accents with Unicode 9.0
+# marks, while Rust's own char properties (Digits, \w, lowercase) are Unicode 16+.
 add(
-  '\u0384\u{10EFE}\u0367 reordering across a Unicode 15 mark',
-  'Garay digits \u{10D40}\u{10D41}\u{10D42} and letters \u{10D50}\u{10D61} and Kawi \u{11F50}\u{11F51}',
-  '\u{107A0}\'LL\'s and \u{1E030} (NFKD: no decomposition in Unicode 11)',
-  'Sogdian \u{10F46}\u{10F47} Vedic \u1CF2\u1CF3\u1CF7 and \u{111C9}',
+  '\u0384\U00010EFE\u0367 reordering across a Unicode 15 mark',
+  'Garay digits \U00010D40\U00010D41\U00010D42 and letters \U00010D50\U00010D61 and Kawi \U00011F50\U00011F51',
+  '\U000107A0\'LL\'s and \U0001E030 (NFKD: no decomposition in Unicode 11)',
+  'Sogdian \U00010F46\U00010F47 Vedic \u1CF2\u1CF3\u1CF7 and \U000111C9',
   'Latin \uA7CB\uA7CC\uA7DA\uA7DC and Cyrillic \u1C89 and Arabic \u0897',
-  'Segmented \u{1FBF0}\u{1FBF1} outlined \u{1CCF0}\u{1CCF1} Ol Onal \u{1E5F1}',
-);
+  'Segmented \U0001FBF0\U0001FBF1 outlined \U0001CCF0\U0001CCF1 Ol Onal \U0001E5F1',
+)
 
-// ---- random code points from many blocks (fixed seed) ----
-const blocks = [
-  [0x20, 0x7e], [0x20, 0x7e], [0x20, 0x7e], [0x0, 0x20], [0x80, 0xff], [0x100, 0x24f], [0x300, 0x36f],
-  [0x370, 0x3ff], [0x400, 0x4ff], [0x590, 0x5ff], [0x600, 0x6ff], [0x900, 0x97f], [0xe00, 0xe7f],
-  [0x1100, 0x11ff], [0x1680, 0x1680], [0x180e, 0x180e], [0x1cd0, 0x1cff], [0x2000, 0x206f], [0x2070, 0x218f],
-  [0x2190, 0x2bff], [0x3000, 0x303f], [0x3040, 0x30ff], [0x4e00, 0x4fff], [0xa700, 0xa7ff], [0xac00, 0xad00],
-  [0xfb00, 0xfb4f], [0xfe00, 0xfe0f], [0xfeff, 0xfeff], [0xff00, 0xffef], [0xfff0, 0xfffd], [0x10d00, 0x10fff],
-  [0x11000, 0x11fff], [0x1d400, 0x1d7ff], [0x1f300, 0x1faff], [0x1f3fb, 0x1f3ff], [0xe0000, 0xe007f],
-  [0x10000, 0x10cff], [0x16000, 0x16fff], [0x1e000, 0x1efff], [0x20000, 0x20fff],
-];
-for (let k = 0; k < 200; k++) {
-  const n = 1 + rand(30);
-  let s = '';
-  for (let i = 0; i < n; i++) {
-    if (rand(6) === 0) { s += pool[rand(pool.length)]; continue; }
-    const [a, b] = blocks[rand(blocks.length)];
-    let cp = a + rand(b - a + 1);
-    if (cp >= 0xd800 && cp <= 0xdfff) cp = 0x41;
-    s += String.fromCodePoint(cp);
-  }
-  add(s);
-}
+# ---- random code points from many blocks (fixed seed) ----
+BLOCKS = [
+  (0x20, 0x7e), (0x20, 0x7e), (0x20, 0x7e), (0x0, 0x20), (0x80, 0xff), (0x100, 0x24f), (0x300, 0x36f),
+  (0x370, 0x3ff), (0x400, 0x4ff), (0x590, 0x5ff), (0x600, 0x6ff), (0x900, 0x97f), (0xe00, 0xe7f),
+  (0x1100, 0x11ff), (0x1680, 0x1680), (0x180e, 0x180e), (0x1cd0, 0x1cff), (0x2000, 0x206f), (0x2070, 0x218f),
+  (0x2190, 0x2bff), (0x3000, 0x303f), (0x3040, 0x30ff), (0x4e00, 0x4fff), (0xa700, 0xa7ff), (0xac00, 0xad00),
+  (0xfb00, 0xfb4f), (0xfe00, 0xfe0f), (0xfeff, 0xfeff), (0xff00, 0xffef), (0xfff0, 0xfffd), (0x10d00, 0x10fff),
+  (0x11000, 0x11fff), (0x1d400, 0x1d7ff), (0x1f300, 0x1faff), (0x1f3fb, 0x1f3ff), (0xe0000, 0xe007f),
+  (0x10000, 0x10cff), (0x16000, 0x16fff), (0x1e000, 0x1efff), (0x20000, 0x20fff),
+]
+for _ in range(200):
+    n = 1 + rand(30)
+    s = ''
+    for _ in range(n):
+        if rand(6) == 0:
+            s += POOL[rand(len(POOL))]
+            continue
+        a, b = BLOCKS[rand(len(BLOCKS))]
+        cp = a + rand(b - a + 1)
+        if 0xD800 <= cp <= 0xDFFF:
+            cp = 0x41
+        s += chr(cp)
+    add(s)
 
-const out = path.join(__dirname, 'corpus.jsonl');
-fs.writeFileSync(out, lines.map((s) => JSON.stringify(s)).join('\n') + '\n');
-console.log(`wrote ${lines.length} texts to ${out}`);
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--out', type=pathlib.Path, default=pathlib.Path(__file__).with_name('corpus.jsonl'))
+    args = parser.parse_args()
+    # json.dumps(ensure_ascii=False) escapes exactly what JavaScript's JSON.stringify does.
+    text = '\n'.join(json.dumps(s, ensure_ascii=False) for s in lines) + '\n'
+    args.out.write_bytes(text.encode('utf-8'))
+    print(f'wrote {len(lines)} texts to {args.out}')
+
+
+if __name__ == '__main__':
+    main()
