@@ -13,8 +13,8 @@ WHICH=${2:-all}
 PEER=${PEER_DIR:-../shared/bench}
 BIN=${BUILD_DIR:-build}
 PY=${PEER_PYTHON:-.venv/bin/python}
-"$PY" -c 'import torch' 2>/dev/null || {
-  echo "compare: needs torch in $PY (scripts/setup.sh installs it into .venv; or set PEER_PYTHON)" >&2; exit 1; }
+"$PY" -c 'import torch, numpy' 2>/dev/null || {
+  echo "compare: needs torch and numpy in $PY (scripts/test.sh installs both into .venv; or set PEER_PYTHON)" >&2; exit 1; }
 
 small="--hidden 1024 --layers 2 --batch 128 --steps 200"
 large="--hidden 4096 --layers 4 --batch 16 --steps 20 --warmup 3"
