@@ -43,16 +43,17 @@ const ScalarSpec* find_scalar(const std::string& encoding) {
   return nullptr;
 }
 
-// mosaicml-streaming's NDArray dtype codes, and the torch dtypes that can hold them.
+// mosaicml-streaming's NDArray dtype codes, and the torch dtypes that hold them (LibTorch has
+// had uint16, uint32 and uint64 since 2.3: storage, copies and conversions, few kernels).
 struct DtypeCode {
   const char* name;
   uint8_t code;
   std::optional<torch::ScalarType> torch_type;
 };
 const DtypeCode kDtypes[] = {
-    {"uint8", 8, torch::kUInt8},      {"int8", 9, torch::kInt8},      {"uint16", 16, std::nullopt},
-    {"int16", 17, torch::kInt16},     {"float16", 18, torch::kHalf},  {"uint32", 32, std::nullopt},
-    {"int32", 33, torch::kInt32},     {"float32", 34, torch::kFloat}, {"uint64", 64, std::nullopt},
+    {"uint8", 8, torch::kUInt8},      {"int8", 9, torch::kInt8},      {"uint16", 16, torch::kUInt16},
+    {"int16", 17, torch::kInt16},     {"float16", 18, torch::kHalf},  {"uint32", 32, torch::kUInt32},
+    {"int32", 33, torch::kInt32},     {"float32", 34, torch::kFloat}, {"uint64", 64, torch::kUInt64},
     {"int64", 65, torch::kLong},      {"float64", 66, torch::kDouble},
 };
 
@@ -403,10 +404,13 @@ void MdsWriter::write(const MdsSample& sample) {
     }
   }
   std::string encoded = head + body;
-  // As MDSWriter does: start a new shard when this sample would take the shard past the limit.
+  // As MDSWriter does: start a new shard when this sample would take the shard file past the
+  // limit. The file with it would hold 4 (count) + 4 * (n + 2) (offsets) + the config + the
+  // samples: MDSWriter counts 8 + config per shard and 4 + bytes per sample, and a shard may
+  // reach the limit exactly.
   const int64_t header = 8 + static_cast<int64_t>(shard_config_json().size());
   if (options_.size_limit && !pending_.empty() &&
-      header + pending_bytes_ + 4 * static_cast<int64_t>(pending_.size() + 1) + static_cast<int64_t>(encoded.size()) + 4 >
+      header + pending_bytes_ + 4 * static_cast<int64_t>(pending_.size()) + static_cast<int64_t>(encoded.size()) + 4 >
           *options_.size_limit) {
     flush_shard();
   }

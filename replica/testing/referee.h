@@ -16,6 +16,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <initializer_list>
+#include <iterator>
+#include <map>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -59,13 +63,37 @@ inline PythonRun run_python(const std::filesystem::path& script, const std::vect
   return run;
 }
 
-// "" when every package imports in python(), else a sentence naming the first that does not.
+// "" when every package is installed for python(), else a sentence naming the first that is
+// not. One interpreter, find_spec (no import: transformers alone takes 3 s to import), and the
+// answer cached per package for the test program's life.
 inline std::string missing_packages(std::initializer_list<const char*> packages) {
+  static std::map<std::string, bool> installed;
+  std::string unknown;
   for (const char* pkg : packages) {
-    const std::string cmd = shell_quote(python()) + " -c " + shell_quote(std::string("import ") + pkg) +
-                            " >/dev/null 2>&1";
-    if (std::system(cmd.c_str()) != 0) {
-      return std::string("referee package '") + pkg + "' is not importable by " + python() +
+    if (!installed.count(pkg)) unknown += std::string(" ") + pkg;
+  }
+  if (!unknown.empty()) {
+    const std::string cmd = shell_quote(python()) +
+                            " -c 'import importlib.util, sys; print(\" \".join(p for p in sys.argv[1:] if "
+                            "importlib.util.find_spec(p) is None))'" + unknown + " 2>/dev/null";
+    std::string out;
+    bool ran = false;
+    if (FILE* pipe = ::popen(cmd.c_str(), "r")) {
+      std::array<char, 512> buf{};
+      size_t n = 0;
+      while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
+      ran = ::pclose(pipe) == 0;
+    }
+    std::istringstream words(out);
+    std::set<std::string> missing{std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+    for (const char* pkg : packages) {
+      // Missing when the interpreter could not run, or named it.
+      if (!installed.count(pkg)) installed[pkg] = ran && !missing.count(pkg);
+    }
+  }
+  for (const char* pkg : packages) {
+    if (!installed[pkg]) {
+      return std::string("referee package '") + pkg + "' is not installed for " + python() +
              " (scripts/test.sh installs scripts/requirements-test.txt into .venv)";
     }
   }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 namespace fs = std::filesystem;
@@ -209,4 +210,44 @@ TEST_F(Mds, BadInputsAreErrorsNamingTheirSource) {
   fs::resize_file(shard, fs::file_size(shard) - 10);
   MdsDataset t((dir_ / "t").string());
   expect_error([&] { t.get(4); }, "shard.00000.mds");
+}
+
+// MDSWriter's rule: a shard takes the next sample while its file stays within size_limit, so a
+// shard may fill the limit exactly (replica stopped 4 bytes short until the streaming referee,
+// MdsConformance, showed the shards differ).
+TEST_F(Mds, AShardFillsItsSizeLimitExactly) {
+  // The shard's config holds size_limit, so the 4-sample shard is measured under a limit of
+  // as many digits as its own size.
+  write_samples(dir_ / "one", 4, {"", 999});
+  const int64_t four = static_cast<int64_t>(fs::file_size(dir_ / "one" / "shard.00000.mds"));
+  ASSERT_TRUE(four >= 100 && four <= 999) << four;
+  write_samples(dir_ / "limit", 8, {"", four});
+  const auto index = nlohmann::json::parse(slurp(dir_ / "limit" / "index.json"));
+  ASSERT_GE(index["shards"].size(), 2u);
+  EXPECT_EQ(index["shards"][0]["samples"], 4);
+  EXPECT_EQ(index["shards"][0]["raw_data"]["bytes"], four);
+  write_samples(dir_ / "short", 8, {"", four - 1});
+  EXPECT_EQ(nlohmann::json::parse(slurp(dir_ / "short" / "index.json"))["shards"][0]["samples"], 3);
+}
+
+// streaming's NDArray dtype codes 16, 32, 64 (uint16, uint32, uint64) are LibTorch's unsigned
+// dtypes (2.3 onwards); before, replica accepted such columns and failed on every sample.
+TEST_F(Mds, UnsignedNdarraysRoundTrip) {
+  const std::vector<MdsColumn> columns = {{"a", "ndarray"}, {"b", "ndarray:uint32"}, {"c", "ndarray:uint64:2"}};
+  MdsWriter w((dir_ / "u").string(), columns);
+  const uint64_t big = (uint64_t{1} << 63) + 5;
+  torch::Tensor c = torch::empty({2}, torch::kUInt64);
+  std::memcpy(c.data_ptr(), &big, sizeof(big));
+  std::memcpy(static_cast<char*>(c.data_ptr()) + 8, &big, sizeof(big));
+  const torch::Tensor a = torch::full({5}, 65535, torch::kLong).to(torch::kUInt16);
+  const torch::Tensor b = torch::arange(6, torch::kLong).reshape({2, 3}).to(torch::kUInt32);
+  w.write({{"a", a}, {"b", b}, {"c", c}});
+  w.finish();
+  const MdsSample s = MdsDataset((dir_ / "u").string()).get(0);
+  for (const auto& [name, want] : std::map<std::string, torch::Tensor>{{"a", a}, {"b", b}, {"c", c}}) {
+    const auto& got = std::get<torch::Tensor>(s.at(name));
+    EXPECT_EQ(got.scalar_type(), want.scalar_type()) << name;
+    EXPECT_EQ(got.sizes(), want.sizes()) << name;
+    EXPECT_EQ(0, std::memcmp(got.data_ptr(), want.contiguous().data_ptr(), want.nbytes())) << name;
+  }
 }

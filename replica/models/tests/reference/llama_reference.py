@@ -1,12 +1,12 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Independent reference for replica's Llama-family models (replica/models/llama.cpp).
 
-transformers is not installed here, so this is a plain-PyTorch transcription of the
-Hugging Face eager code path (transformers/models/llama/modeling_llama.py and the qwen2,
-qwen3 and mistral variants, modeling_rope_utils.py for Llama 3's rope_scaling,
-loss_utils.py ForCausalLMLoss): nn.Linear / nn.Embedding modules named exactly like HF's,
-LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half / apply_rotary_pos_emb, repeat_kv,
-eager_attention_forward with an additive finfo.min causal mask, SwiGLU MLP.
+A plain-PyTorch transcription of the Hugging Face eager code path
+(transformers/models/llama/modeling_llama.py and the qwen2, qwen3 and mistral variants,
+modeling_rope_utils.py for Llama 3's rope_scaling, loss_utils.py ForCausalLMLoss): nn.Linear /
+nn.Embedding modules named exactly like HF's, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half /
+apply_rotary_pos_emb, repeat_kv, eager_attention_forward with an additive finfo.min causal mask,
+SwiGLU MLP.
 
 It builds tiny random models, writes each as a Hugging Face model directory (config.json,
 model.safetensors or sharded model-0000X-of-0000Y.safetensors + model.safetensors.index.json,
@@ -18,10 +18,21 @@ reference outputs next to it:
   expected.json         samples / loss_mask and mean token losses (replica llm --eval
                         semantics), the batch loss (ForCausalLMLoss, mean over labels != -100)
 
-Run from anywhere with Debian's python3-torch (1.13):
-    /usr/bin/python3 replica/models/tests/reference/llama_reference.py
-It rewrites replica/models/tests/reference/fixtures/ deterministically.
+It needs only torch. Run it from the repository root with the project's virtual environment
+(torch 2.11, scripts/requirements-torch.txt):
+    .venv/bin/python replica/models/tests/reference/llama_reference.py [--out DIR]
+It rewrites replica/models/tests/reference/fixtures/ (or DIR) deterministically. The committed
+fixtures were written with Debian's python3-torch 1.13 (gone with the move to the 2.11 wheel) and
+are kept: torch 2.11 writes the same config.json and weight files and the same ids, labels and
+samples; the fp32 expectations (logits, losses) move by at most 1e-6, the bf16 logits by up to
+0.016 (torch's bf16 kernels changed; replica_models_tests bound those by max|logit| / 64).
+
+transformers itself is the referee of this transcription: the conformance test
+TransformersReferenceFixtures.AgreeWithTransformers (replica/models/tests/hf_conformance_test.cpp)
+runs transformers (4.57) on these fixtures and requires their logits (fp32 within 1e-4: it
+measures 8e-7; bf16 against transformers' eager attention within max|logit| / 64).
 """
+import argparse
 import json
 import math
 import os
@@ -456,6 +467,10 @@ def make_fixture(name, config, weight_dtype=torch.float32, shards=1, seed=0):
 
 
 def main():
+    global FIXTURES
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=FIXTURES, help="directory for the fixtures (default: %(default)s)")
+    FIXTURES = parser.parse_args().out
     torch.set_num_threads(1)
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4)

@@ -1,0 +1,95 @@
+// Shared by the conformance tests that take Hugging Face transformers and PEFT as referees
+// (replica/models/tests/hf_conformance_test.cpp, replica/train/tests/peft_conformance_test.cpp):
+// the referee scripts, scratch directories, logit comparisons and greedy decoding.
+#pragma once
+
+#include "replica/io/safetensors.h"
+#include "replica/models/llama.h"
+#include "replica/testing/referee.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace replica::models::conformance {
+
+namespace fs = std::filesystem;
+
+// replica/models/tests/referee/NAME.
+inline fs::path referee_script(const std::string& name) {
+  return fs::path(REPLICA_SOURCE_DIR) / "replica" / "models" / "tests" / "referee" / name;
+}
+
+// A fresh directory under the temp dir for one test: removed when the test passed, kept
+// (and named on stderr) when it failed, for inspection.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& prefix) {
+    std::string tmpl = (fs::temp_directory_path() / (prefix + "-XXXXXX")).string();
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
+    path_ = tmpl;
+  }
+  ~ScratchDir() {
+    if (::testing::Test::HasFailure()) {
+      std::cerr << "(test directory kept for inspection: " << path_ << ")\n";
+      return;
+    }
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  std::string operator/(const std::string& sub) const { return (path_ / sub).string(); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+inline std::map<std::string, torch::Tensor> load_tensors(const std::string& file) {
+  auto f = io::load_safetensors(file);
+  return {f.tensors.begin(), f.tensors.end()};
+}
+
+inline double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  EXPECT_EQ(a.sizes(), b.sizes());
+  if (a.sizes() != b.sizes()) return 1e30;
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+}
+
+// Positions [B, T] whose argmax over the vocabulary differs between two logit tensors.
+inline int64_t argmax_mismatches(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.argmax(-1) != b.argmax(-1)).sum().item<int64_t>();
+}
+
+// Greedy decoding with replica: `new_tokens` times, the whole sequence through the model and
+// the argmax of the last position appended (no KV cache; the same tokens if the logits are).
+inline torch::Tensor greedy(LlamaForCausalLM& model, torch::Tensor ids, int64_t new_tokens) {
+  torch::NoGradGuard no_grad;
+  ids = ids.to(torch::kInt64);
+  for (int64_t i = 0; i < new_tokens; ++i) {
+    auto next = model->forward(ids).select(1, -1).argmax(-1, /*keepdim=*/true);
+    ids = torch::cat({ids, next.to(torch::kInt64)}, 1);
+  }
+  return ids;
+}
+
+// Runs a referee script; a non-zero exit fails the calling test (ASSERT_TRUE on the result).
+inline ::testing::AssertionResult run_referee(const std::string& script, const std::vector<std::string>& args,
+                                              std::string* output = nullptr) {
+  const auto run = replica::testing::run_python(referee_script(script), args);
+  if (output) *output = run.output;
+  if (run.exit_code != 0) {
+    return ::testing::AssertionFailure() << script << " exited with " << run.exit_code << ":\n" << run.output;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace replica::models::conformance
