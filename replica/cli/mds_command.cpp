@@ -61,6 +61,12 @@ int run_mds_command(const MdsCommand& c) {
     std::stringstream in(c.columns);
     std::string item;
     while (std::getline(in, item, ',')) {
+      // A piece without ':' continues the previous column's encoding: the shape of
+      // `m:ndarray:int32:2,2` holds a comma.
+      if (item.find(':') == std::string::npos && !columns.empty() && !item.empty()) {
+        columns.back().encoding += "," + item;
+        continue;
+      }
       const auto colon = item.find(':');
       if (colon == std::string::npos || colon == 0 || colon + 1 == item.size()) {
         fail("--columns: '{}' is not name:encoding", item);

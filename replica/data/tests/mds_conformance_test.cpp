@@ -337,16 +337,18 @@ TEST(MdsConformance, StreamingReadsWhatReplicaWrites) {
       json vec_data = json::array();
       for (double v : vec) vec_data.push_back(static_cast<double>(static_cast<float>(v)));
       const json meta = {{"k", i}, {"name", "n\u00e4me " + std::to_string(i)}, {"list", {1, 2, i}}};
+      const json grid = {i, i + 1, -i, 7};
       const json record = {{"id", int64_t{1} << 40 | i}, {"name", "item " + std::to_string(i) + " \u2713"},
-                           {"score", i / 3.0}, {"small", i * 12 % 256}, {"meta", meta}, {"vec", vec}};
+                           {"score", i / 3.0}, {"small", i * 12 % 256}, {"meta", meta}, {"vec", vec}, {"grid", grid}};
       out << record.dump() << "\n";
       samples_spec.push_back({{"id", record["id"]}, {"name", record["name"]}, {"score", record["score"]},
                               {"small", record["small"]}, {"meta", meta.dump()},
-                              {"vec", {{"dtype", "float32"}, {"shape", {3}}, {"data", vec_data}}}});
+                              {"vec", {{"dtype", "float32"}, {"shape", {3}}, {"data", vec_data}}},
+                              {"grid", {{"dtype", "int32"}, {"shape", {2, 2}}, {"data", grid}}}});
     }
     out.close();
     const auto r = replica_run({"mds", "convert", "--input", input.string(), "--out", (dir.path / "convert").string(),
-                                "--columns", "id:int64,name:str,score:float64,small:uint8,meta:json,vec:ndarray:float32",
+                                "--columns", "id:int64,name:str,score:float64,small:uint8,meta:json,vec:ndarray:float32,grid:ndarray:int32:2,2",
                                 "--compression", "zstd", "--size-limit", "1024"});
     ASSERT_EQ(r.exit_code, 0) << r;
     spec["datasets"].push_back({{"dir", (dir.path / "convert").string()}, {"samples", samples_spec}, {"twin", false}});
