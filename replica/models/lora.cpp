@@ -321,7 +321,7 @@ LoraConfig read_adapter_config(const std::string& dir) {
   }
   for (const char* key : {"use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform",
                           "layer_replication", "exclude_modules", "target_parameters", "lora_bias",
-                          "trainable_token_indices"}) {
+                          "trainable_token_indices", "alora_invocation_tokens", "arrow_config", "use_qalora"}) {
     if (non_empty(key)) fail("{}: {} = {} is not supported", path, key, get(key)->dump());
   }
   if (const json* b = get("bias"); b && (!b->is_string() || b->get<std::string>() != "none")) {

@@ -234,6 +234,10 @@ TEST(Lora, UnsupportedAdapterConfigsAreNamed) {
   try_with("bias", "all", "bias");
   try_with("rank_pattern", json({{"q_proj", 4}}), "rank_pattern");
   try_with("task_type", "SEQ_CLS", "task_type");
+  // PEFT 0.21's variants that compute something else than plain LoRA.
+  try_with("alora_invocation_tokens", json({1, 2}), "alora_invocation_tokens");
+  try_with("use_qalora", true, "use_qalora");
+  try_with("arrow_config", json({{"top_k", 2}}), "arrow_config");
   write_text(tmp.path / "a" / "adapter_config.json", good.dump());
   // rsLoRA: alpha / sqrt(r).
   auto j = good;
