@@ -94,7 +94,8 @@ struct LoraConfig {
 // names of the adapted modules (sorted as in named_modules()). Errors (replica::Error):
 // r < 1, dropout outside [0, 1), a target matching nothing, lm_head targeted, adapters present.
 // `config.target_modules` is rewritten to the sorted list of module-name suffixes that were
-// adapted when it was "all-linear" (PEFT saves the expanded list the same way).
+// adapted when it was "all-linear". PEFT 0.21 saves the expanded list too, as full module names
+// (condensed to suffixes from 20 modules on); both forms load either way (peft_conformance_test).
 std::vector<std::string> apply_lora(torch::nn::Module& model, LoraConfig& config);
 
 // Adapter tensors under PEFT's saved names (base_model.model.<name>), in model order.
