@@ -272,59 +272,9 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
   return train::run(c, self_argv);
 }
 
-namespace {
-
-// nlohmann's parse error without its "[json.exception...] parse error at line 1, column N: "
-// prefix (the line is stdin's, which the caller names).
-std::string json_error_reason(const nlohmann::json::parse_error& e) {
-  std::string what = e.what();
-  if (auto k = what.find("column "); k != std::string::npos) {
-    if (k = what.find(": ", k); k != std::string::npos) return what.substr(k + 2);
-  }
-  return what;
-}
-
-// `replica tokenize --json-lines`: each stdin line is one JSON string, encoded with
-// add_special_tokens = true like a plain line; so a text may hold line breaks ("a\nb").
-int tokenize_json_lines(const std::string& tokenizer_dir) {
-  const text::Tokenizer tokenizer = text::Tokenizer::from_dir(tokenizer_dir);
-  std::string line, buffer;
-  size_t line_no = 0;
-  while (std::getline(std::cin, line)) {
-    ++line_no;
-    nlohmann::json value;
-    try {
-      value = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      fail("replica tokenize --json-lines: stdin line {} is not valid JSON (byte {}): {}; each line must be "
-           "one text as a JSON string, e.g. \"first line\\nsecond line\"",
-           line_no, e.byte, json_error_reason(e));
-    }
-    if (!value.is_string()) {
-      fail("replica tokenize --json-lines: stdin line {} is a JSON {}, not a string; each line must be one "
-           "text as a JSON string, e.g. \"first line\\nsecond line\"",
-           line_no, value.type_name());
-    }
-    const std::vector<int32_t> ids = tokenizer.encode(value.get_ref<const std::string&>(), /*add_special_tokens=*/true);
-    buffer.clear();
-    buffer += '[';
-    for (size_t k = 0; k < ids.size(); ++k) {
-      if (k) buffer += ',';
-      buffer += std::to_string(ids[k]);
-    }
-    buffer += "]\n";
-    std::cout << buffer;
-  }
-  std::cout.flush();
-  return 0;
-}
-
-}  // namespace
-
 int tokenize_command(const std::string& tokenizer_dir, bool chat, const std::string& chat_template,
                      bool json_lines) {
   // With --chat every line is a JSON messages list already: --json-lines changes nothing.
-  if (json_lines && !chat) return tokenize_json_lines(tokenizer_dir);
   text::ChatRenderer renderer;
   if (chat) {
     const std::string source = text::chat_template_for(chat_template, tokenizer_dir);
@@ -335,7 +285,7 @@ int tokenize_command(const std::string& tokenizer_dir, bool chat, const std::str
       return tmpl->render(nlohmann::ordered_json::parse(messages_json), /*add_generation_prompt=*/false, special);
     };
   }
-  return text::tokenize_command(tokenizer_dir, chat, std::cin, std::cout, renderer);
+  return text::tokenize_command(tokenizer_dir, chat, std::cin, std::cout, renderer, json_lines && !chat);
 }
 
 int merge_adapter_command(const std::string& model_dir, const std::string& adapter_dir, const std::string& out_dir) {

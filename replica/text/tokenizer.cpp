@@ -609,11 +609,43 @@ const std::string& Tokenizer::source() const { return impl_->source; }
 
 void train_sentencepiece(const std::string& spm_train_args) { detail::train_sentencepiece(spm_train_args); }
 
+namespace {
+
+// nlohmann's parse error without its "[json.exception...] parse error at line 1, column N: "
+// prefix (the line is stdin's, which the caller names).
+std::string json_error_reason(const json::parse_error& e) {
+  std::string what = e.what();
+  if (auto k = what.find("column "); k != std::string::npos) {
+    if (k = what.find(": ", k); k != std::string::npos) return what.substr(k + 2);
+  }
+  return what;
+}
+
+// One stdin line of `replica tokenize --json-lines`: a JSON string.
+std::string json_line_text(const std::string& line, size_t line_no) {
+  json value;
+  try {
+    value = json::parse(line);
+  } catch (const json::parse_error& e) {
+    fail("replica tokenize --json-lines: stdin line {} is not valid JSON (byte {}): {}; each line must be "
+         "one text as a JSON string, e.g. \"first line\\nsecond line\"",
+         line_no, e.byte, json_error_reason(e));
+  }
+  if (!value.is_string()) {
+    fail("replica tokenize --json-lines: stdin line {} is a JSON {}, not a string; each line must be one "
+         "text as a JSON string, e.g. \"first line\\nsecond line\"",
+         line_no, value.type_name());
+  }
+  return value.get<std::string>();
+}
+
+}  // namespace
+
 int tokenize_command(const std::string& tokenizer_dir, bool chat, std::istream& in,
-                     std::ostream& out, const ChatRenderer& render_chat) {
+                     std::ostream& out, const ChatRenderer& render_chat, bool json_lines) {
   const Tokenizer tokenizer = Tokenizer::from_dir(tokenizer_dir);
   if (chat && !render_chat) {
-    // TODO(lead): wire the chat template renderer (replica/text/chat_template) here.
+    // The renderer comes from the caller (the CLI wires replica/text/chat_template).
     fail("replica tokenize --chat: no chat template renderer is available for '{}'",
          tokenizer_dir);
   }
@@ -635,6 +667,8 @@ int tokenize_command(const std::string& tokenizer_dir, bool chat, std::istream& 
         fail("replica tokenize --chat: stdin line {} must be a JSON list of messages", line_no);
       }
       ids = tokenizer.encode(render_chat(line), /*add_special_tokens=*/false);
+    } else if (json_lines) {
+      ids = tokenizer.encode(json_line_text(line, line_no), /*add_special_tokens=*/true);
     } else {
       ids = tokenizer.encode(line, /*add_special_tokens=*/true);
     }

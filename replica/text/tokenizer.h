@@ -106,8 +106,10 @@ using ChatRenderer = std::function<std::string(const std::string& messages_json)
 // Texts are encoded with add_special_tokens = true. With `chat`, each line is a JSON messages
 // list rendered by `render_chat` and encoded with add_special_tokens = false (the template
 // writes BOS itself, as transformers' apply_chat_template(tokenize=True) does).
+// With `json_lines` (and no `chat`), each line is one text as a JSON string, so that a text may
+// hold line breaks ("a\nb"); encoded like a plain line.
 // Returns the exit status (0); errors are replica::Error naming the line.
 int tokenize_command(const std::string& tokenizer_dir, bool chat, std::istream& in,
-                     std::ostream& out, const ChatRenderer& render_chat = {});
+                     std::ostream& out, const ChatRenderer& render_chat = {}, bool json_lines = false);
 
 }  // namespace replica::text

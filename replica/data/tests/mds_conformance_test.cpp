@@ -43,17 +43,8 @@ using replica::data::MdsWriterOptions;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "replica-mds-conformance-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+struct TempDir : replica::testing::ScratchDir {
+  TempDir() : ScratchDir("replica-mds-conformance") {}
 };
 
 const fs::path kReferee = fs::path(REPLICA_SOURCE_DIR) / "replica/data/tests/referee/mds_referee.py";

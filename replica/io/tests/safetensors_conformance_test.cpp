@@ -37,17 +37,8 @@ using json = nlohmann::json;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "replica-safetensors-conformance-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+struct TempDir : replica::testing::ScratchDir {
+  TempDir() : ScratchDir("replica-safetensors-conformance") {}
 };
 
 const fs::path kReferee = fs::path(REPLICA_SOURCE_DIR) / "replica/io/tests/referee/safetensors_referee.py";

@@ -34,17 +34,8 @@ using replica::models::ResNetOptions;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "replica-resnet-conformance-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+struct TempDir : replica::testing::ScratchDir {
+  TempDir() : ScratchDir("replica-resnet-conformance") {}
 };
 
 // What the trainer saves for a model (Workload::state_tensors): every parameter, then every

@@ -19,17 +19,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "replica-tensorboard-conformance-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+struct TempDir : replica::testing::ScratchDir {
+  TempDir() : ScratchDir("replica-tensorboard-conformance") {}
 };
 
 replica::testing::Result replica_run(const std::vector<std::string>& args) {
