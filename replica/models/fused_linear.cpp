@@ -2,6 +2,7 @@
 
 #include "replica/core/gradient_home.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 namespace replica::models {
@@ -22,11 +23,20 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     // The weight's values as they are now (an engine such as ZeRO-3 may swap the parameter's
     // storage after the forward, as torch::nn::Linear's saved weight.t() also ignores), and
     // the parameter itself, whose gradient and gradient home backward looks up.
-    ctx->save_for_backward({input, weight.detach()});
+    // Under autocast (bf16 / fp16) the operands are cast here, as autocast casts linear's, and
+    // the cast copies are saved: backward runs outside autocast and must multiply tensors of
+    // one dtype (the gradients it returns are cast back to each input's dtype by autograd).
+    const c10::DeviceType device = input.device().type();
+    const bool autocast = at::autocast::is_autocast_enabled(device) && input.is_floating_point();
+    const auto cast = [&](const torch::Tensor& t) {
+      return autocast && t.defined() ? t.to(at::autocast::get_autocast_dtype(device)) : t;
+    };
+    const torch::Tensor x = cast(input), w = cast(weight.detach()), b = cast(bias);
+    ctx->save_for_backward({x, w});
     ctx->saved_data["parameter"] = weight;
     ctx->saved_data["has_bias"] = bias.defined();
     // torch::nn::functional::linear's computation for 2-D inputs.
-    return bias.defined() ? at::addmm(bias, input, weight.t()) : at::mm(input, weight.t());
+    return b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

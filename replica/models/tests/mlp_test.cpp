@@ -5,6 +5,7 @@
 #include "replica/models/fused_linear.h"
 
 #include <gtest/gtest.h>
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <string>
@@ -135,4 +136,35 @@ TEST(FusedLinear, EqualsLinearAndWritesTheWeightGradientIntoItsHome) {
   // Other than 2-D inputs take Linear's own path.
   torch::Tensor x3 = torch::randn({2, 3, 7});
   EXPECT_TRUE(torch::equal(fused->forward(x3), plain->forward(x3)));
+}
+
+// Under CPU autocast (mixed_precision: bf16) FusedLinear computes what torch::nn::Linear does:
+// bf16 operands, bf16 output, fp32 gradients for the fp32 parameters and input.
+TEST(FusedLinear, UnderBf16AutocastEqualsLinear) {
+  torch::manual_seed(4);
+  replica::models::FusedLinear fused(16, 8);
+  torch::manual_seed(4);
+  torch::nn::Linear plain(16, 8);
+  const torch::Tensor x0 = torch::randn({6, 16});
+  const torch::Tensor w = torch::randn({6, 8});
+  auto run = [&](auto& layer, torch::Tensor& x_grad) {
+    torch::Tensor x = x0.clone().requires_grad_(true);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    torch::Tensor y = layer->forward(x);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    (y.to(torch::kFloat) * w).sum().backward();
+    x_grad = x.grad();
+    return y;
+  };
+  torch::Tensor gx_fused, gx_plain;
+  const torch::Tensor y_fused = run(fused, gx_fused), y_plain = run(plain, gx_plain);
+  EXPECT_EQ(y_fused.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(y_fused, y_plain));
+  EXPECT_EQ(gx_fused.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::equal(gx_fused, gx_plain));
+  EXPECT_EQ(fused->weight.grad().scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::equal(fused->weight.grad(), plain->weight.grad()));
+  EXPECT_TRUE(torch::equal(fused->bias.grad(), plain->bias.grad()));
 }
