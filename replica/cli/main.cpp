@@ -176,10 +176,18 @@ int run_main(int argc, char** argv) {
     std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
     app.parse(args);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // CLI11 prints the message (or the help); every error exits 1 like replica's own errors,
+    // not CLI11's codes (105 for an unknown flag), --help and --version 0.
+    return app.exit(e) == 0 ? 0 : 1;
   }
 
   if (*launch) {
+    // Before `--` everything is the launcher's: an option it does not know is an error, not
+    // something to drop silently.
+    if (!program.empty() && !launch->remaining().empty()) {
+      replica::fail("replica launch: unknown option '{}' before `--` (see replica launch --help)",
+                    launch->remaining().front());
+    }
     std::vector<std::string> command = program.empty() ? launch->remaining() : program;
     if (command.empty()) replica::fail("replica launch: no program given (replica launch [options] -- PROGRAM [ARGS...])");
     lopts.nproc_per_node = replica::launch::resolve_nproc(nproc);

@@ -426,7 +426,9 @@ int run_worker(const io::RunConfig& config) {
   // Rank 0's console: a live bar on a terminal, the periodic lines otherwise.
   std::optional<obs::Progress> progress;
   if (main) progress.emplace(2);
-  auto evaluate = [&](int64_t epoch_for_log) {
+  // Epochs done, with the fraction of the current one: what every metrics line logs as "epoch".
+  auto epoch_progress = [&] { return state.epoch + static_cast<double>(state.micro_step) / micro_per_epoch; };
+  auto evaluate = [&](double epoch_for_log) {
     if (workload->valid_size() == 0) return;
     std::vector<int64_t> mine;
     for (int64_t i = pg->rank(); i < workload->valid_size(); i += pg->size()) mine.push_back(i);
@@ -446,7 +448,7 @@ int run_worker(const io::RunConfig& config) {
       const double tokens = t[3].item<double>();
       const double per = tokens > 0 ? tokens : count;  // LLMs: means over predicted tokens
       nlohmann::json j = {{"step", state.global_step},
-                          {"epoch", static_cast<double>(epoch_for_log)},
+                          {"epoch", epoch_for_log},
                           {"eval_loss", t[0].item<double>() / per},
                           {"eval_accuracy", t[1].item<double>() / per},
                           {"eval_samples", static_cast<int64_t>(count)}};
@@ -619,7 +621,7 @@ int run_worker(const io::RunConfig& config) {
           const double loss = t[0].item<double>() / t[1].item<double>();
           const double sps = t[2].item<double>() / std::max(seconds, 1e-9);
           const double tps = t[3].item<double>() / std::max(seconds, 1e-9);
-          const double epoch_f = state.epoch + static_cast<double>(state.micro_step) / micro_per_epoch;
+          const double epoch_f = epoch_progress();
           const double lr = learning_rate(p.scheduler, p.lr, state.global_step - 1, total_steps, warmup);
           // Time split: seconds per step on rank 0; compute is forward + backward minus the
           // part of backward spent blocked on communication.
@@ -659,14 +661,14 @@ int run_worker(const io::RunConfig& config) {
         obs::ProgressState ps;
         ps.step = state.global_step;
         ps.total_steps = total_steps;
-        ps.epoch = state.epoch + static_cast<double>(state.micro_step) / micro_per_epoch;
+        ps.epoch = epoch_progress();
         ps.loss = std::nan("");
         progress->update(ps);
       }
-      if (p.eval_every > 0 && state.global_step % p.eval_every == 0) evaluate(state.epoch);
+      if (p.eval_every > 0 && state.global_step % p.eval_every == 0) evaluate(epoch_progress());
       if (state.micro_step >= micro_per_epoch) {
         // Epoch boundary: the checkpoint below records the start of the next epoch.
-        if (p.eval_every == 0) evaluate(state.epoch + 1);
+        if (p.eval_every == 0) evaluate(epoch_progress());  // = state.epoch + 1 here
         state.epoch += 1;
         state.micro_step = 0;
         sampler.set_epoch(state.epoch);

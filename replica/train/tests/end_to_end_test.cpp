@@ -389,6 +389,16 @@ TEST_F(EndToEnd, UnknownKeyIsAnErrorWithASuggestion) {
   expect_single_error_line(f, {"lrr", "did you mean 'lr'"});
 }
 
+// A command line CLI11 cannot parse exits 1, as every other error does (CLI11's own code for
+// an unknown flag is 105), naming the flag as typed; --help still exits 0.
+TEST_F(EndToEnd, CommandLineParseErrorsExitOneNamingTheFlag) {
+  const Result r = replica({"launch", "--nproc-per-nod", "2", "--", "true"});
+  EXPECT_EQ(r.exit_code, 1) << r;
+  EXPECT_NE((r.out + r.err).find("--nproc-per-nod"), std::string::npos) << r;
+  const Result help = replica({"--help"});
+  EXPECT_EQ(help.exit_code, 0) << help;
+}
+
 TEST_F(EndToEnd, WrongTypeIsAnErrorNamingTheKey) {
   const fs::path cfg = write_config("run", {{"batch_size", "lots"}});
   const Result r = replica({"--config", cfg.string()});
@@ -543,6 +553,18 @@ TEST_F(EndToEnd, RunLeavesTheDocumentedArtifacts) {
     }
   }
   EXPECT_EQ(eval_steps, (std::vector<int64_t>{10, 20}));
+  // A mid-epoch evaluation logs the same fractional epoch as the training line of its step.
+  std::map<int64_t, double> train_epoch;
+  for (const auto& j : metrics) {
+    if (j.contains("loss")) train_epoch[j.at("step").get<int64_t>()] = j.at("epoch").get<double>();
+  }
+  for (const auto& j : metrics) {
+    if (!j.contains("eval_loss")) continue;
+    const int64_t step = j.at("step").get<int64_t>();
+    ASSERT_TRUE(train_epoch.count(step)) << j;
+    EXPECT_GT(train_epoch[step], 0.0);
+    EXPECT_DOUBLE_EQ(j.at("epoch").get<double>(), train_epoch[step]) << j;
+  }
   // 20 SGD steps on Fashion-MNIST beat chance (10%) comfortably.
   for (const auto& j : metrics) {
     if (j.contains("eval_accuracy") && j.at("step") == 20) EXPECT_GT(j.at("eval_accuracy").get<double>(), 0.3) << j;

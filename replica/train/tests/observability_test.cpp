@@ -327,3 +327,22 @@ TEST_F(Observability, EnvReportNamesTheBlasAndWarnsOnTheReferenceOne) {
             std::string::npos) << slow;
   EXPECT_NE(slow.out.find("WARNING: LibTorch is using the REFERENCE BLAS"), std::string::npos) << slow;
 }
+
+// `replica bench allreduce`: bf16 over both transports at world 2 (LibTorch 2.x's Gloo sums
+// bf16), and one table, not one per transport, for a single worker (nothing is transported).
+TEST_F(Observability, BenchAllreduceTablesPerTransport) {
+  const Result bf16 = replica({"bench", "allreduce", "--nproc-per-node", "2", "--dtype", "bfloat16",
+                               "--max-bytes", "65536", "--iters", "3", "--warmup", "1"});
+  ASSERT_EQ(bf16.exit_code, 0) << bf16;
+  EXPECT_NE(bf16.out.find("transport shm, world 2, dtype bfloat16"), std::string::npos) << bf16;
+  EXPECT_NE(bf16.out.find("transport gloo, world 2, dtype bfloat16"), std::string::npos) << bf16;
+  const Result one = replica({"bench", "allreduce", "--nproc-per-node", "1", "--max-bytes", "65536",
+                              "--iters", "3", "--warmup", "1"});
+  ASSERT_EQ(one.exit_code, 0) << one;
+  size_t tables = 0;
+  for (size_t at = one.out.find("# replica bench allreduce:"); at != std::string::npos;
+       at = one.out.find("# replica bench allreduce:", at + 1)) {
+    ++tables;
+  }
+  EXPECT_EQ(tables, 1u) << one;
+}
