@@ -55,6 +55,7 @@ replica::io::RunConfig config_with_overrides(const std::string& path, const std:
     YAML::Node v = YAML::Load(value);
     if (top.count(arg)) root[arg] = v;
     else if (arg == "data_path") root["data"]["path"] = v;
+    else if (arg == "train_split" || arg == "valid_split") root["data"][arg] = v;  // as `replica llm` takes them
     else root["params"][arg] = v;
   }
   YAML::Emitter emitter;

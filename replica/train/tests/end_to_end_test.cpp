@@ -399,6 +399,19 @@ TEST_F(EndToEnd, CommandLineParseErrorsExitOneNamingTheFlag) {
   EXPECT_EQ(help.exit_code, 0) << help;
 }
 
+// --train-split / --valid-split after --config reach data: as `replica llm`'s flags do.
+TEST_F(EndToEnd, SplitFlagsAfterConfigGoToTheDataSection) {
+  const fs::path cfg = write_config("run", {}, kFashionMnist, "null");
+  const fs::path p = project("splits");
+  const Result r = replica({"--config", cfg.string(), "--project-name", p.string(), "--valid-split", "t10k",
+                            "--max-steps", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  const auto resolved = replica::io::parse_config(read_file(p / "config.yaml"), (p / "config.yaml").string());
+  ASSERT_TRUE(resolved.data.valid_split.has_value());
+  EXPECT_EQ(*resolved.data.valid_split, "t10k");
+  EXPECT_EQ(resolved.data.train_split, "train");
+}
+
 TEST_F(EndToEnd, WrongTypeIsAnErrorNamingTheKey) {
   const fs::path cfg = write_config("run", {{"batch_size", "lots"}});
   const Result r = replica({"--config", cfg.string()});
