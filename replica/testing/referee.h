@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <initializer_list>
+#include <iostream>
 #include <iterator>
 #include <map>
 #include <set>
@@ -108,7 +109,7 @@ inline bool referees_required() {
 }
 
 // A fresh directory under the system's temporary directory ("<prefix>-XXXXXX"), removed with
-// everything in it when the object goes.
+// everything in it when the object goes, unless the test failed (then kept and named on stderr).
 struct ScratchDir {
   std::filesystem::path path;
   explicit ScratchDir(const std::string& prefix) {
@@ -119,9 +120,15 @@ struct ScratchDir {
   ScratchDir(const ScratchDir&) = delete;
   ScratchDir& operator=(const ScratchDir&) = delete;
   ~ScratchDir() {
+    if (::testing::Test::HasFailure()) {
+      std::cerr << "(test directory kept for inspection: " << path << ")\n";
+      return;
+    }
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
   }
+  // dir / "name": the path of an entry inside, as a string.
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
 };
 
 }  // namespace replica::testing

@@ -29,29 +29,7 @@ inline fs::path referee_script(const std::string& name) {
 
 // A fresh directory under the temp dir for one test: removed when the test passed, kept
 // (and named on stderr) when it failed, for inspection.
-class ScratchDir {
- public:
-  explicit ScratchDir(const std::string& prefix) {
-    std::string tmpl = (fs::temp_directory_path() / (prefix + "-XXXXXX")).string();
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
-    path_ = tmpl;
-  }
-  ~ScratchDir() {
-    if (::testing::Test::HasFailure()) {
-      std::cerr << "(test directory kept for inspection: " << path_ << ")\n";
-      return;
-    }
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  std::string operator/(const std::string& sub) const { return (path_ / sub).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using ScratchDir = replica::testing::ScratchDir;
 
 inline std::map<std::string, torch::Tensor> load_tensors(const std::string& file) {
   auto f = io::load_safetensors(file);

@@ -321,7 +321,7 @@ TEST_P(PeftMadeAdapter, LoadsIntoReplicaAndMergesLikeMergeAndUnload) {
   ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built";
   const PeftMadeCase c = GetParam();
   ScratchDir dir("replica-peft-made-" + c.name);
-  std::vector<std::string> args = {"make", "--variant", c.variant, "--out", dir.path().string(), "--r",
+  std::vector<std::string> args = {"make", "--variant", c.variant, "--out", dir.path.string(), "--r",
                                    std::to_string(c.r), "--alpha", std::to_string(c.alpha), "--targets", c.targets,
                                    "--dropout", "0.1", "--seed", "4"};
   if (c.rslora) args.push_back("--rslora");
