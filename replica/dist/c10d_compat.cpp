@@ -10,7 +10,8 @@
 // ProcessGroupGloo::GlooStore, whose base class differs between the two commits), which could
 // then interpose libtorch's: this file constructs no Gloo type, and the CTest
 // `NoGlooCodeOfOurOwn` checks with nm that no replica binary defines a gloo:: symbol or
-// GlooStore's vtable. Only this file sees the Gloo headers (USE_C10D_GLOO is set on it alone).
+// GlooStore's vtable. Only this file includes the Gloo headers (USE_C10D_GLOO, which guards
+// them, comes with the wheel's Torch target everywhere; CMakeLists.txt sets it here as well).
 //
 // Note [NCCL]: ProcessGroupNCCL's Options change layout with the NCCL version (NCCL_HAS_CONFIG
 // and friends), so this file compiles against the NCCL headers of the wheel's nvidia-nccl
