@@ -4,6 +4,7 @@
 // --profile writes a Chrome trace of the timed steps (per-op times; bench/op_times.py sums them).
 #include "replica/core/system.h"
 #include "replica/models/llama.h"
+#include "replica/train/optim.h"
 
 #include <CLI/CLI.hpp>
 #include <torch/csrc/autograd/profiler_legacy.h>
@@ -41,7 +42,14 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   auto config = replica::models::parse_llama_config(kConfig, "bench config");
   replica::models::LlamaForCausalLM model(config);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
+  // The trainer's AdamW (replica::train::FusedAdamW), with torch.optim.AdamW's default weight
+  // decay as on the PyTorch side.
+  replica::train::OptimizerSpec spec;
+  spec.name = "adamw";
+  spec.lr = 1e-4;
+  spec.weight_decay = 0.01;
+  auto optimizer = replica::train::make_optimizer(spec, model->parameters());
+  auto& opt = *optimizer;
   auto gen = at::detail::createCPUGenerator(1);
   torch::Tensor loss;
   auto step = [&] {

@@ -87,10 +87,23 @@ std::string signal_name(int signo) {
 
 namespace replica {
 
+namespace {
+std::string& project_error_file() {
+  static std::string path;
+  return path;
+}
+}  // namespace
+
+void keep_worker_error_file_at(const std::string& path) { project_error_file() = path; }
+
 void write_worker_error_file(const std::string& message) {
   try {
-    const auto path = env("REPLICA_ERROR_FILE");
-    if (!path || path->empty()) return;
+    std::vector<std::string> paths;
+    if (const auto path = env("REPLICA_ERROR_FILE"); path && !path->empty()) paths.push_back(*path);
+    if (!project_error_file().empty() && (paths.empty() || paths[0] != project_error_file())) {
+      paths.push_back(project_error_file());
+    }
+    if (paths.empty()) return;
     const std::time_t now = std::time(nullptr);
     std::tm utc{};
     gmtime_r(&now, &utc);
@@ -101,9 +114,11 @@ void write_worker_error_file(const std::string& message) {
                         {"pid", static_cast<int64_t>(getpid())},
                         {"restart", env_int("REPLICA_RESTART_COUNT").value_or(0)},
                         {"time", stamp}};
-    std::error_code ignored;
-    std::filesystem::create_directories(std::filesystem::path(*path).parent_path(), ignored);
-    std::ofstream(*path) << j.dump() << "\n";
+    for (const auto& path : paths) {
+      std::error_code ignored;
+      std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
+      std::ofstream(path) << j.dump() << "\n";
+    }
   } catch (...) {
     // Reporting must not turn one failure into another.
   }

@@ -40,7 +40,13 @@ namespace replica {
 // The error that ends a worker, as a JSON file at $REPLICA_ERROR_FILE (set per worker by
 // `replica launch`): {"message", "rank", "pid", "restart", "time"}. The launcher reports it
 // when the worker exits non-zero. Does nothing when the variable is unset; never throws
-// (it runs on the way out of a failing process).
+// (it runs on the way out of a failing process). Also writes the file to the path given to
+// keep_worker_error_file_at, if any.
 void write_worker_error_file(const std::string& message);
+
+// A second place for this worker's error file: the project's errors/ directory, so that a run
+// started under a launcher that keeps its error files elsewhere (`replica launch -- replica
+// --config ...`, mpirun, Slurm) still leaves its record in the project.
+void keep_worker_error_file_at(const std::string& path);
 
 }  // namespace replica

@@ -536,7 +536,9 @@ void validate(const LaunchOptions& o) {
   if (world > (int64_t{1} << 24)) fail("replica launch: world size {} is too large", world);
 }
 
-// The error files' directory when the caller named none; removed when run() returns.
+// The error files' directory when the caller named none. Removed when run() returns after a
+// success (or when it holds nothing); kept after a failure, because the launcher has printed
+// the path of the failed worker's error file in it.
 class TemporaryDirectory {
  public:
   std::string create() {
@@ -545,40 +547,21 @@ class TemporaryDirectory {
     path_ = tmpl;
     return path_;
   }
+  void keep_if_not_empty() { keep_ = true; }
   ~TemporaryDirectory() {
     std::error_code ignored;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ignored);
+    if (path_.empty()) return;
+    if (keep_ && !std::filesystem::is_empty(path_, ignored)) return;
+    std::filesystem::remove_all(path_, ignored);
   }
 
  private:
   std::string path_;
+  bool keep_ = false;
 };
 
-// Clears the single-run flag when run() leaves, however it leaves.
-struct RunGuard {
-  RunGuard() {
-    if (g_run_active.exchange(true)) {
-      fail("replica launch: run() is already running in this process; only one launcher may run at a time");
-    }
-  }
-  ~RunGuard() { g_run_active.store(false); }
-};
-
-}  // namespace
-
-int run(const LaunchOptions& requested) {
-  validate(requested);
-  LaunchOptions options = requested;
-  if (options.token.empty()) options.token = env("REPLICA_TOKEN").value_or("");
-  if (options.token.empty() && options.nnodes == 1) options.token = random_token();
-  if (!options.token.empty()) options.env["REPLICA_TOKEN"] = options.token;
-  RunGuard guard;
-  // One port for the whole run: every restart rendezvouses at the same address.
-  const int master_port = options.master_port != 0 ? options.master_port : find_free_port(options.master_addr);
-  SignalScope signals;
-  TemporaryDirectory scratch;
-  const std::string error_dir = options.error_dir.empty() ? scratch.create() : options.error_dir;
-
+// Runs the group, restarting it after a worker failure up to max_restarts times; the exit code.
+int run_attempts(const LaunchOptions& options, int master_port, SignalScope& signals, const std::string& error_dir) {
   for (int restart = 0;; ++restart) {
     const GroupOutcome outcome = Group(options, master_port, restart, signals, error_dir).run();
     switch (outcome.kind) {
@@ -607,6 +590,36 @@ int run(const LaunchOptions& requested) {
     }
     log_line(fmt::format("restarting workers (restart {} of {})", restart + 1, options.max_restarts));
   }
+}
+
+// Clears the single-run flag when run() leaves, however it leaves.
+struct RunGuard {
+  RunGuard() {
+    if (g_run_active.exchange(true)) {
+      fail("replica launch: run() is already running in this process; only one launcher may run at a time");
+    }
+  }
+  ~RunGuard() { g_run_active.store(false); }
+};
+
+}  // namespace
+
+int run(const LaunchOptions& requested) {
+  validate(requested);
+  LaunchOptions options = requested;
+  if (options.token.empty()) options.token = env("REPLICA_TOKEN").value_or("");
+  if (options.token.empty() && options.nnodes == 1) options.token = random_token();
+  if (!options.token.empty()) options.env["REPLICA_TOKEN"] = options.token;
+  RunGuard guard;
+  // One port for the whole run: every restart rendezvouses at the same address.
+  const int master_port = options.master_port != 0 ? options.master_port : find_free_port(options.master_addr);
+  SignalScope signals;
+  TemporaryDirectory scratch;
+  const std::string error_dir = options.error_dir.empty() ? scratch.create() : options.error_dir;
+
+  const int code = run_attempts(options, master_port, signals, error_dir);
+  if (code != 0) scratch.keep_if_not_empty();
+  return code;
 }
 
 int resolve_nproc(const std::string& spec) {

@@ -19,8 +19,9 @@
 //   model.norm.weight, lm_head.weight                 [V, H] (untied)
 //
 // Compute dtype = parameter dtype (fp32 or bf16; module.to(dtype) converts). Like HF:
-// RMSNorm and rotary angles in fp32 then cast to the activation dtype, attention softmax in
-// fp32 then cast back, cross-entropy in fp32.
+// RMSNorm and rotary angles in fp32 then cast to the activation dtype, attention through
+// ATen's fused kernel (transformers' sdpa; Note [attention kernel] in llama.cpp), cross-entropy
+// in fp32.
 #pragma once
 
 #include "replica/models/layer_hooks.h"
@@ -139,7 +140,8 @@ class RotaryEmbedding {
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init);
-  // x [B, T, H]; cos/sin [B, T, D]; allowed [B or 1, 1, T, T] bool (true = may attend).
+  // x [B, T, H]; cos/sin [B, T, D]; allowed [B, 1, T, T] bool (true = may attend), or
+  // undefined for plain causal attention.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& allowed);
   LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};

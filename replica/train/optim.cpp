@@ -126,6 +126,80 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   return loss;
 }
 
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  // LibTorch's step for all parameters (the closure has run already).
+  const auto unfused_step = [this](const torch::Tensor& closure_loss) {
+    torch::optim::AdamW::step(nullptr);
+    return closure_loss;
+  };
+  // First pass: create missing state as torch::optim::AdamW::step does, and check that every
+  // parameter with a gradient can go through the fused kernel.
+  for (auto& group : param_groups_) {
+    const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    for (auto& p : group.params()) {
+      const torch::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      const bool plain = !g.is_sparse() && g.scalar_type() == p.scalar_type() && g.device() == p.device() &&
+                         p.is_contiguous() && g.is_contiguous() && at::isFloatingType(p.scalar_type()) &&
+                         (p.device().is_cpu() || p.device().is_cuda());
+      if (!plain) return unfused_step(loss);
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it == state_.end()) {
+        auto state = std::make_unique<torch::optim::AdamWParamState>();
+        state->step(0);
+        state->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        if (options.amsgrad()) state->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        state_[p.unsafeGetTensorImpl()] = std::move(state);
+        continue;
+      }
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      for (const torch::Tensor* t : {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq()}) {
+        if (t == &s.max_exp_avg_sq() && !options.amsgrad()) continue;
+        if (!t->defined() || t->scalar_type() != p.scalar_type() || t->device() != p.device() ||
+            !t->is_contiguous() || t->sizes() != p.sizes()) {
+          return unfused_step(loss);
+        }
+      }
+    }
+  }
+  // Second pass: one fused call per group and (device, dtype), as PyTorch groups them.
+  for (auto& group : param_groups_) {
+    const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    struct Lists {
+      std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+    };
+    std::map<std::pair<std::string, int>, Lists> by_kind;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*state_.at(p.unsafeGetTensorImpl()));
+      s.step(s.step() + 1);
+      auto& l = by_kind[{p.device().str(), static_cast<int>(p.scalar_type())}];
+      l.params.push_back(p);
+      l.grads.push_back(p.grad());
+      l.exp_avgs.push_back(s.exp_avg());
+      l.exp_avg_sqs.push_back(s.exp_avg_sq());
+      if (options.amsgrad()) l.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+      // The kernel reads the step count (for the bias corrections) from a float32 tensor on
+      // the parameter's device, as PyTorch's fused AdamW keeps it.
+      l.steps.push_back(torch::full({}, static_cast<double>(s.step()),
+                                    torch::TensorOptions().dtype(torch::kFloat32).device(p.device())));
+    }
+    const auto [beta1, beta2] = options.betas();
+    for (auto& [kind, l] : by_kind) {
+      at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps, options.lr(), beta1,
+                        beta2, options.weight_decay(), options.eps(), options.amsgrad(), /*maximize=*/false);
+    }
+  }
+  return loss;
+}
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params) {
   if (spec.name == "sgd") {
@@ -133,7 +207,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
         params, torch::optim::SGDOptions(spec.lr).momentum(spec.momentum).weight_decay(spec.weight_decay));
   }
   if (spec.name == "adamw") {
-    return std::make_unique<torch::optim::AdamW>(
+    return std::make_unique<FusedAdamW>(
         params, torch::optim::AdamWOptions(spec.lr).weight_decay(spec.weight_decay));
   }
   fail("unknown optimizer '{}' (sgd, adamw)", spec.name);

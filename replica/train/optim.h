@@ -4,6 +4,7 @@
 
 #include "replica/io/safetensors.h"
 
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
@@ -32,8 +33,21 @@ class FusedSGD : public torch::optim::SGD {
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
 
+// torch::optim::AdamW whose step is ATen's fused AdamW kernel (at::_fused_adamw_, what
+// PyTorch's AdamW(fused=True) runs, on CPU and CUDA): per parameter one vectorized pass that
+// reads p, g, exp_avg, exp_avg_sq and writes p, exp_avg, exp_avg_sq, where LibTorch's step
+// runs eight kernels (~14 passes over memory). Same state (AdamWParamState, so checkpoints and
+// load_optimizer_state are unchanged), same arithmetic up to float rounding. A step where any
+// parameter is not fusable (sparse gradient, dtype or device differing from its gradient's or
+// state's, non-contiguous) takes torch::optim::AdamW::step for that whole step.
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
 // The optimizer over `params` (trainable parameters, in the order of `names`): FusedSGD or
-// torch::optim::AdamW.
+// FusedAdamW.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params);
 

@@ -13,6 +13,7 @@
 #include "replica/obs/tensorboard.h"
 #include "replica/obs/timeline.h"
 #include "replica/train/checkpoint.h"
+#include "replica/train/project_dir.h"
 #include "replica/train/optim.h"
 #include "replica/train/schedule.h"
 #include "replica/train/workload.h"
@@ -118,31 +119,37 @@ nlohmann::json params_json(const io::RunConfig& c) {
 }
 
 // Which checkpoint to start from, decided by rank 0 before anything is written and then
-// shared, so every rank resumes from the same one.
-int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg) {
+// shared, so every rank resumes from the same one. `restart_count` > 0: the launcher restarted
+// this run after a failure, so outputs without a checkpoint are its own and it starts over.
+int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg, int restart_count) {
   int64_t decision = -1;  // -1: fresh start; >= 0: the checkpoint step
   std::string error;
   if (pg.rank() == 0) {
     const fs::path project(config.project_name);
-    std::error_code ec;
-    if (config.params.overwrite && fs::exists(project)) {
-      for (const auto& entry : fs::directory_iterator(project)) fs::remove_all(entry.path(), ec);
+    if (config.params.overwrite && restart_count == 0) {
+      // Only what a run wrote: a user's own files in the directory stay (project_dir.h).
+      const size_t removed = remove_run_outputs(project);
+      if (removed > 0) spdlog::info("--overwrite: removed {} entr{} of an earlier run from '{}'", removed,
+                                    removed == 1 ? "y" : "ies", config.project_name);
     }
-    if (fs::exists(project) && !fs::is_empty(project, ec)) {
+    const auto outputs = run_outputs(project);
+    if (!outputs.empty()) {
       std::vector<std::string> skipped;
       auto latest = latest_checkpoint(config.project_name, &skipped);
       if (latest) {
         decision = latest->state.global_step;
       } else if (!skipped.empty()) {
-        std::string names;
-        for (const auto& s : skipped) names += (names.empty() ? "" : ", ") + s;
         error = fmt::format("project '{}' has no usable checkpoint to resume from (unreadable: {}); "
                             "use a new project_name or --overwrite for a fresh start",
-                            config.project_name, names);
-      } else if (fs::exists(project / "final")) {
-        error = fmt::format("project '{}' holds a finished run (final/) and no checkpoint to resume "
-                            "from; use a new project_name or --overwrite",
-                            config.project_name);
+                            config.project_name, fmt::join(skipped, ", "));
+      } else if (restart_count == 0) {
+        // An earlier run's outputs but nothing to resume: starting over would replace its
+        // metrics.jsonl and config.yaml (PRODUCT.md: stop with an error naming them).
+        std::vector<std::string> names;
+        for (const auto& o : outputs) names.push_back(o.filename().string() + (fs::is_directory(o) ? "/" : ""));
+        error = fmt::format("project '{}' holds the outputs of an earlier run ({}) and no checkpoint to "
+                            "resume from; use a new project_name, or --overwrite to remove them and start over",
+                            config.project_name, fmt::join(names, ", "));
       }
     }
   }
@@ -253,12 +260,12 @@ void Workload::save_final(const std::string& final_dir) {
 int run_worker(const io::RunConfig& config) {
   const auto& p = config.params;
   const dist::WorldInfo world = dist::world_from_env().value_or(dist::WorldInfo{});
-  // Started by mpirun or Slurm (no REPLICA_ERROR_FILE from our launcher): a failure is still
-  // recorded in the project, one file per rank.
-  if (!env("REPLICA_ERROR_FILE") && world.is_distributed()) {
-    const auto file = fs::path(config.project_name) / "errors" /
-                      fmt::format("rank-{}.restart-{}.json", world.rank, world.restart_count);
-    setenv("REPLICA_ERROR_FILE", file.c_str(), 1);
+  // A failure is recorded in the project, one file per rank, whoever started the workers
+  // (replica's launcher may keep its own copy elsewhere; mpirun and Slurm keep none).
+  if (world.is_distributed()) {
+    keep_worker_error_file_at((fs::path(config.project_name) / "errors" /
+                               fmt::format("rank-{}.restart-{}.json", world.rank, world.restart_count))
+                                  .string());
   }
 
   // Threads: cores / workers unless the user said otherwise (PRODUCT.md).
@@ -339,7 +346,7 @@ int run_worker(const io::RunConfig& config) {
   state.world_size = pg->size();
   state.batch_size = p.batch_size;
   state.seed = p.seed;
-  const int64_t start = decide_start(config, *pg);
+  const int64_t start = decide_start(config, *pg, world.restart_count);
   const fs::path project(config.project_name);
   if (start >= 0) {
     const std::string dir = (project / fmt::format("checkpoint-{}", start)).string();

@@ -313,8 +313,9 @@ TEST_F(EndToEnd, ResumeOnAnotherWorldSizeContinuesAtTheSameSample) {
 }
 
 // A project whose first attempt died before its first checkpoint holds only config.yaml,
-// training_params.json and a partial metrics.jsonl: the next run starts fresh, and its
-// metrics.jsonl must not keep the dead attempt's lines (each step exactly once).
+// training_params.json and a partial metrics.jsonl: a fresh start (--overwrite, or the
+// launcher's restart of the same run) must not keep the dead attempt's lines in its
+// metrics.jsonl (each step exactly once).
 TEST_F(EndToEnd, FreshStartDoesNotKeepStaleMetrics) {
   const fs::path cfg = write_config("run", {{"max_steps", "5"}});
   const fs::path p = project("p");
@@ -326,7 +327,9 @@ TEST_F(EndToEnd, FreshStartDoesNotKeepStaleMetrics) {
         << "\n";
     }
   }
-  train(cfg, p);
+  // Without --overwrite these metrics are refused, not replaced
+  // (EarlierOutputsWithoutACheckpointAreAnErrorAndOverwriteKeepsTheUsersFiles).
+  train(cfg, p, {"--overwrite"});
   if (HasFailure()) return;
   EXPECT_EQ(train_steps(metrics_of(p)), one_to(5));
 }
@@ -453,6 +456,74 @@ TEST_F(EndToEnd, CorruptOnlyCheckpointIsAnErrorNamingIt) {
   EXPECT_EQ(fresh.exit_code, 0) << fresh;
   EXPECT_FALSE(fs::exists(p / "checkpoint-10"));
   EXPECT_EQ(train_steps(metrics_of(p)), one_to(5));
+}
+
+// An earlier run's outputs with no checkpoint (a run that crashed before its first one) are
+// not silently replaced; --overwrite removes them and nothing else of the directory.
+TEST_F(EndToEnd, EarlierOutputsWithoutACheckpointAreAnErrorAndOverwriteKeepsTheUsersFiles) {
+  const fs::path cfg = write_config("run", {{"max_steps", "5"}});
+  const fs::path p = project("p");
+  train(cfg, p);
+  if (HasFailure()) return;
+  // As a crashed run leaves it: no final/, an error record; and the user's own files.
+  fs::remove_all(p / "final");
+  fs::create_directories(p / "errors");
+  std::ofstream(p / "errors" / "rank-1.restart-0.json") << "{\"message\": \"crashed\"}\n";
+  std::ofstream(p / "notes.txt") << "my notes\n";
+  fs::create_directories(p / "my-data");
+  std::ofstream(p / "my-data" / "train.jsonl") << "{}\n";
+  const std::string metrics_before = read_file(p / "metrics.jsonl");
+
+  const Result again = replica({"--config", cfg.string(), "--project-name", p.string(), "--max-steps", "3"});
+  EXPECT_NE(again.exit_code, 0) << again;
+  EXPECT_TRUE(has_error_line(again.err, {p.string(), "config.yaml", "errors/", "metrics.jsonl",
+                                         "training_params.json", "no checkpoint", "--overwrite"}))
+      << again;
+  EXPECT_EQ(read_file(p / "metrics.jsonl"), metrics_before);  // nothing replaced
+  EXPECT_TRUE(fs::exists(p / "errors" / "rank-1.restart-0.json"));
+
+  const Result fresh = replica({"--config", cfg.string(), "--project-name", p.string(), "--max-steps", "3",
+                                "--overwrite"});
+  EXPECT_EQ(fresh.exit_code, 0) << fresh;
+  EXPECT_EQ(train_steps(metrics_of(p)), one_to(3));
+  EXPECT_FALSE(fs::exists(p / "errors"));
+  EXPECT_EQ(read_file(p / "notes.txt"), "my notes\n");
+  EXPECT_EQ(read_file(p / "my-data" / "train.jsonl"), "{}\n");
+  EXPECT_TRUE(fs::exists(p / "final" / "model.safetensors"));
+}
+
+// `replica launch -- replica --config ...` with a failing worker: the failure is recorded in
+// the project's errors/ and the error file the launcher printed still exists afterwards.
+TEST_F(EndToEnd, LaunchedRunKeepsItsErrorFileInTheProjectAndThePrintedOne) {
+  // Data that exists but is not Fashion-MNIST: the workers start and fail loading it.
+  fs::create_directories(dir_ / "empty-data");
+  const fs::path cfg = write_config("run", {{"max_steps", "5"}}, (dir_ / "empty-data").string());
+  const fs::path p = project("p");
+  const Result r = replica({"launch", "--nproc-per-node", "2", "--", REPLICA_BIN, "--config", cfg.string(),
+                            "--project-name", p.string()});
+  EXPECT_NE(r.exit_code, 0) << r;
+  // The first rank to fail wrote its record (the launcher then stops the other).
+  int records = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(p / "errors", ec)) {
+    const std::string name = entry.path().filename().string();
+    EXPECT_TRUE(name == "rank-0.restart-0.json" || name == "rank-1.restart-0.json") << name;
+    const auto record = nlohmann::json::parse(read_file(entry.path()));
+    EXPECT_NE(record.at("message").get<std::string>().find("empty-data"), std::string::npos) << record.dump();
+    ++records;
+  }
+  EXPECT_GE(records, 1) << r;
+  // Every error file path the launcher printed can still be opened.
+  const std::regex printed("(/[^ ]*replica-launch-[^ ]*\\.json)");
+  int paths = 0;
+  for (const auto& line : lines_of(r.err)) {
+    std::smatch m;
+    if (!std::regex_search(line, m, printed)) continue;
+    ++paths;
+    EXPECT_TRUE(fs::exists(m[1].str())) << line;
+    fs::remove_all(fs::path(m[1].str()).parent_path());
+  }
+  EXPECT_GE(paths, 1) << r;
 }
 
 TEST_F(EndToEnd, BusyRendezvousPortIsAnError) {
