@@ -10,7 +10,7 @@
 #include "replica/launch/launcher.h"
 #include "replica/obs/plot.h"
 #include "replica/train/trainer.h"
-#include "replica/zero/checkpoint.h"
+#include "replica/train/checkpoint.h"
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -146,8 +146,8 @@ int run_main(int argc, char** argv) {
   std::string plot_dir, plot_format = "png";
   plot_cmd->add_option("PROJECT_DIR", plot_dir, "A run's project directory (holds metrics.jsonl)")->required();
   plot_cmd->add_option("--format", plot_format, "png or svg")->check(CLI::IsMember({"png", "svg"}))->capture_default_str();
-  auto* consolidate = app.add_subcommand("consolidate", "Join a ZeRO-3 checkpoint's shards into the full model, "
-                                                       "as DDP saves it");
+  auto* consolidate = app.add_subcommand("consolidate", "Join a ZeRO-3 checkpoint's shards into what DDP saves: "
+                                                       "the full model, or the PEFT adapter of a LoRA run");
   std::string consolidate_dir, consolidate_out;
   consolidate->add_option("CHECKPOINT_DIR", consolidate_dir, "checkpoint-STEP directory (holding zero/)")
       ->required()->check(CLI::ExistingDirectory);
@@ -227,8 +227,9 @@ int run_main(int argc, char** argv) {
     return 0;
   }
   if (*consolidate) {
-    replica::zero::consolidate_to_file(consolidate_dir, consolidate_out);
-    std::cout << consolidate_out << "\n";
+    for (const auto& written : replica::train::consolidate_checkpoint(consolidate_dir, consolidate_out)) {
+      std::cout << written << "\n";
+    }
     return 0;
   }
   if (*env_cmd) {

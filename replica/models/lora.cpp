@@ -196,12 +196,17 @@ std::vector<std::string> apply_lora(torch::nn::Module& model, LoraConfig& config
   return adapted;
 }
 
+std::string peft_adapter_key(const std::string& parameter_name) {
+  const bool adapter = ends_with(parameter_name, ".lora_A.weight") || ends_with(parameter_name, ".lora_B.weight");
+  return adapter ? kPeftPrefix + parameter_name : std::string();
+}
+
 io::NamedTensors lora_state_dict(const torch::nn::Module& model) {
   io::NamedTensors out;
   for (const auto& [name, layer] : lora_linears(model)) {
     if (!layer->has_lora()) continue;
-    out.emplace_back(kPeftPrefix + name + ".lora_A.weight", layer->lora_A->weight);
-    out.emplace_back(kPeftPrefix + name + ".lora_B.weight", layer->lora_B->weight);
+    out.emplace_back(peft_adapter_key(name + ".lora_A.weight"), layer->lora_A->weight);
+    out.emplace_back(peft_adapter_key(name + ".lora_B.weight"), layer->lora_B->weight);
   }
   return out;
 }

@@ -100,6 +100,9 @@ std::vector<std::string> apply_lora(torch::nn::Module& model, LoraConfig& config
 
 // Adapter tensors under PEFT's saved names (base_model.model.<name>), in model order.
 io::NamedTensors lora_state_dict(const torch::nn::Module& model);
+// PEFT's saved name of a model parameter that is an adapter weight (NAME.lora_A.weight or
+// NAME.lora_B.weight, as named_parameters() spells it), or "" for any other parameter.
+std::string peft_adapter_key(const std::string& parameter_name);
 // The trainable adapter parameters under PEFT's names (same tensors, for optimisers).
 std::vector<std::pair<std::string, torch::Tensor>> lora_named_parameters(const torch::nn::Module& model);
 // Copies PEFT-named tensors into the model's adapters; every adapter weight must be given and

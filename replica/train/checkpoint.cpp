@@ -2,6 +2,8 @@
 
 #include "replica/core/error.h"
 #include "replica/io/files.h"
+#include "replica/models/lora.h"
+#include "replica/zero/checkpoint.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -11,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <sstream>
 
 namespace fs = std::filesystem;
 
@@ -151,6 +154,37 @@ std::optional<Checkpoint> latest_checkpoint(const std::string& project_dir,
     }
   }
   return std::nullopt;
+}
+
+std::vector<std::string> consolidate_checkpoint(const std::string& checkpoint_dir, const std::string& out_path) {
+  const fs::path zero_dir = zero::zero_dir_of(checkpoint_dir);
+  const fs::path dir = fs::path(checkpoint_dir) == zero_dir ? zero_dir.parent_path() : fs::path(checkpoint_dir);
+  io::NamedTensors tensors = zero::consolidate(zero_dir.string());
+  std::vector<std::string> written{out_path};
+  const fs::path adapter_config = dir / "adapter_config.json";
+  if (fs::exists(adapter_config)) {
+    // A LoRA run: the base is frozen and unchanged; what it trained is the adapter.
+    io::NamedTensors adapter;
+    for (auto& [name, t] : tensors) {
+      const std::string key = models::peft_adapter_key(name);
+      if (!key.empty()) adapter.emplace_back(key, std::move(t));
+    }
+    if (adapter.empty()) fail("{}: adapter_config.json but no LoRA weights in {}", checkpoint_dir, zero_dir.string());
+    tensors = std::move(adapter);
+  }
+  io::save_safetensors(out_path, tensors, {{"format", "pt"}});
+  if (fs::exists(adapter_config)) {
+    const fs::path beside = fs::absolute(out_path).parent_path() / "adapter_config.json";
+    if (!fs::exists(beside)) {
+      std::ifstream in(adapter_config, std::ios::binary);
+      std::stringstream text;
+      text << in.rdbuf();
+      if (!in) fail("cannot read {}", adapter_config.string());
+      io::write_file_atomically(beside.string(), text.str());
+      written.push_back(beside.string());
+    }
+  }
+  return written;
 }
 
 }  // namespace replica::train

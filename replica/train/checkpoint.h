@@ -56,4 +56,13 @@ Checkpoint load_checkpoint(const std::string& dir);
 std::optional<Checkpoint> latest_checkpoint(const std::string& project_dir,
                                             std::vector<std::string>* skipped = nullptr);
 
+// `replica consolidate CHECKPOINT_DIR OUT.safetensors`: a ZeRO-3 checkpoint's shards joined
+// into what DDP writes for the same run. A full fine-tune: the whole model (the names and
+// dtypes of model.safetensors). A LoRA run (adapter_config.json in the checkpoint): only the
+// adapter, under PEFT's names (as adapter_model.safetensors), and adapter_config.json is
+// copied beside OUT when that directory has none, so that a directory holding
+// OUT = adapter_model.safetensors loads with PeftModel.from_pretrained. Returns the paths
+// written. replica::Error naming the directory when it is not a ZeRO-3 checkpoint.
+std::vector<std::string> consolidate_checkpoint(const std::string& checkpoint_dir, const std::string& out_path);
+
 }  // namespace replica::train

@@ -165,7 +165,7 @@ io::NamedTensors consolidate(const std::string& zero_dir) {
   return out;
 }
 
-void consolidate_to_file(const std::string& checkpoint_dir, const std::string& out_path) {
+std::string zero_dir_of(const std::string& checkpoint_dir) {
   fs::path dir(checkpoint_dir);
   if (!fs::exists(dir / "metadata.json") && fs::exists(dir / "zero" / "metadata.json")) dir /= "zero";
   if (!fs::exists(dir / "metadata.json")) {
@@ -173,7 +173,7 @@ void consolidate_to_file(const std::string& checkpoint_dir, const std::string& o
          "written with distributed_backend zero3",
          checkpoint_dir);
   }
-  io::save_safetensors(out_path, consolidate(dir.string()), {{"format", "pt"}});
+  return dir.string();
 }
 
 }  // namespace replica::zero

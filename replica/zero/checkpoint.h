@@ -33,8 +33,8 @@ ShardSlice load_shards(const std::string& zero_dir, int rank, int world);
 
 // The full model as DDP would save it (parameters in the model's order, then buffers).
 io::NamedTensors consolidate(const std::string& zero_dir);
-// `replica consolidate CHECKPOINT_DIR OUT.safetensors`: CHECKPOINT_DIR is a checkpoint
-// directory (holding zero/) or the zero/ directory itself.
-void consolidate_to_file(const std::string& checkpoint_dir, const std::string& out_path);
+// The zero/ directory of `checkpoint_dir` (a checkpoint-STEP directory holding zero/, or the
+// zero/ directory itself); replica::Error naming it when it is neither.
+std::string zero_dir_of(const std::string& checkpoint_dir);
 
 }  // namespace replica::zero

@@ -646,14 +646,15 @@ TEST_F(LlmEndToEnd, LoraAtWorldTwoEqualsWorldOneAtTheSameGlobalBatch) {
 TEST_F(LlmEndToEnd, SeedCommandWithZero3EqualsDdp) {
   // The seed command with --distributed-backend zero3 (and its DeepSpeed spelling): the base
   // sharded and frozen, the adapters sharded and trained, final/ the gathered PEFT adapter;
-  // the same adapter as DDP at the same global batch.
+  // the same adapter as DDP at the same global batch. `replica consolidate` of the ZeRO-3
+  // checkpoint is DDP's checkpoint adapter: the same PEFT names, dtypes and values.
   auto run = [&](const std::string& name, const std::string& backend) {
     const Result r = replica({"llm", "--train", "--model", model_dir(), "--data-path", data_dir(), "--project-name",
                               (root() / name).string(), "--trainer", "sft", "--peft", "--distributed-backend",
                               backend, "--nproc-per-node", "2", "--threads-per-worker", "1", "--lora-dropout", "0",
                               "--mixed-precision", "fp32", "--optimizer", "sgd", "--lr", "0.5", "--block-size", "96",
                               "--batch-size", "2", "--gradient-accumulation", "1", "--max-steps", "10",
-                              "--warmup-ratio", "0", "--checkpoint-every", "0", "--logging-steps", "5"});
+                              "--warmup-ratio", "0", "--checkpoint-every", "10", "--logging-steps", "5"});
     EXPECT_EQ(r.exit_code, 0) << r;
     EXPECT_NE(r.err.find("backend " + std::string(backend == "ddp" ? "ddp" : "zero3")), std::string::npos) << r;
     return load_tensors(root() / name / "final" / "adapter_model.safetensors");
@@ -665,6 +666,24 @@ TEST_F(LlmEndToEnd, SeedCommandWithZero3EqualsDdp) {
   const double diff = max_abs_diff(ddp, zero3);
   std::cerr << "LoRA SGD, adapter max abs diff after 10 steps: zero3 vs ddp " << diff << "\n";
   EXPECT_LE(diff, 1e-5);
+
+  const fs::path out_dir = root() / "z3_consolidated";
+  fs::create_directories(out_dir);
+  const Result cons = replica({"consolidate", (root() / "z3_zero3" / "checkpoint-10").string(),
+                               (out_dir / "adapter_model.safetensors").string()});
+  ASSERT_EQ(cons.exit_code, 0) << cons;
+  const auto consolidated = load_tensors(out_dir / "adapter_model.safetensors");
+  const auto ddp_checkpoint = load_tensors(root() / "z3_ddp" / "checkpoint-10" / "adapter_model.safetensors");
+  ASSERT_EQ(consolidated.size(), ddp_checkpoint.size());
+  for (const auto& [name, t] : ddp_checkpoint) {
+    ASSERT_TRUE(consolidated.count(name)) << name << " missing from the consolidated adapter";
+    EXPECT_EQ(consolidated.at(name).scalar_type(), t.scalar_type()) << name;
+    EXPECT_EQ(consolidated.at(name).sizes(), t.sizes()) << name;
+  }
+  EXPECT_LE(max_abs_diff(consolidated, ddp_checkpoint), 1e-5);
+  EXPECT_EQ(read_file(out_dir / "adapter_config.json"),
+            read_file(root() / "z3_zero3" / "checkpoint-10" / "adapter_config.json"));
+  EXPECT_NE(cons.out.find((out_dir / "adapter_config.json").string()), std::string::npos) << cons;
 }
 
 TEST_F(LlmEndToEnd, ResumingFromAnAdapterCheckpointContinuesExactly) {

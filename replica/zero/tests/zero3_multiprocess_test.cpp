@@ -360,8 +360,8 @@ TEST(Zero3MultiProcess, ShardsConsolidateAndReshard) {
   const auto full = replica::zero::consolidate((dir / "zero").string());
   EXPECT_EQ(full.size(), gathered.size());
   EXPECT_EQ(max_abs(full, gathered), 0.0);  // consolidation is exact
-  replica::zero::consolidate_to_file(dir.string(), (dir / "out.safetensors").string());
-  EXPECT_EQ(max_abs(replica::io::load_safetensors((dir / "out.safetensors").string()).tensors, gathered), 0.0);
+  EXPECT_EQ(replica::zero::zero_dir_of(dir.string()), (dir / "zero").string());
+  EXPECT_EQ(replica::zero::zero_dir_of((dir / "zero").string()), (dir / "zero").string());
 
   // Re-shard for 1 and 3 workers: the slices, joined, are the same flat contents (and
   // AdamW's moments travel with them); the world-of-one engine gathers the same model.
@@ -394,7 +394,7 @@ TEST(Zero3MultiProcess, ShardsConsolidateAndReshard) {
   EXPECT_EQ(slice.optimizer.size(), 2 * zero.shard_parameters().size());
   zero.release_all();
 
-  EXPECT_THROW(replica::zero::consolidate_to_file(dir.string() + "/nowhere", (dir / "x").string()), replica::Error);
+  EXPECT_THROW(replica::zero::zero_dir_of(dir.string() + "/nowhere"), replica::Error);
   fs::remove(dir / "zero" / "rank-1.safetensors");
   try {
     replica::zero::consolidate((dir / "zero").string());
