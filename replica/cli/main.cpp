@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <c10/util/Exception.h>
+#include <cstdio>
 #include <iostream>
 #include <set>
 
@@ -249,19 +251,32 @@ int run_main(int argc, char** argv) {
 
 }  // namespace
 
+// One line on stderr for a failure, naming the rank in a multi-worker run; `record` (with
+// LibTorch's stack trace, when there is one) goes to the worker's error file. Exit code 1.
+static int report_failure(const std::string& message, const std::string& record) {
+  const auto rank = replica::env_int("RANK");
+  const auto world = replica::env_int("WORLD_SIZE");
+  const std::string who = rank && world && *world > 1 ? fmt::format("rank {}: ", *rank) : "";
+  std::fputs(("error: " + who + message + "\n").c_str(), stderr);
+  std::fflush(stderr);
+  replica::write_worker_error_file(record);
+  return 1;
+}
+
 int main(int argc, char** argv) {
+  // stderr line-buffered: each line (a log line, whose colour codes spdlog writes in three
+  // pieces, or an error line) reaches the terminal in one write(2), so that the lines of
+  // workers sharing a terminal or pipe interleave whole, never mid-line.
+  std::setvbuf(stderr, nullptr, _IOLBF, 1 << 16);
   // Logs go to stderr: stdout is for results (replica env, tokenize, llm --eval).
   spdlog::set_default_logger(spdlog::stderr_color_mt("replica"));
   spdlog::set_pattern("%^[%H:%M:%S %l]%$ %v");
   try {
     return run_main(argc, argv);
-  } catch (const replica::Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    replica::write_worker_error_file(e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    replica::write_worker_error_file(e.what());
-    return 1;
+  } catch (const c10::Error& e) {
+    // LibTorch's message on the terminal; its C++ stack trace only in the error file.
+    return report_failure(e.what_without_backtrace(), e.what());
+  } catch (const std::exception& e) {  // replica::Error and anything the system threw
+    return report_failure(e.what(), e.what());
   }
 }

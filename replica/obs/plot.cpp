@@ -51,12 +51,13 @@ std::string path_literal(const std::string& path) {
   return out + "'";
 }
 
-// One panel: the given series on one plot, or a note when none has points.
-// key_at: where the legend goes ("top right"; rising curves such as accuracy: "bottom right").
+// One panel: the given series on one plot, or a note when none has points. The legend sits
+// below the plot area, in a row, where it can cover no point of any curve (inside, a corner
+// covered the last evaluation of rising curves).
 std::string panel(const Series& s, const std::string& title, const std::string& ylabel,
-                  const std::vector<std::string>& keys, const std::string& key_at = "top right") {
-  std::string out = fmt::format("set title {}\nset xlabel \"step\"\nset ylabel {}\nset key {} opaque\n",
-                                quoted(title), quoted(ylabel), key_at);
+                  const std::vector<std::string>& keys) {
+  std::string out = fmt::format("set title {}\nset xlabel \"step\"\nset ylabel {}\nset key below horizontal\n",
+                                quoted(title), quoted(ylabel));
   std::vector<std::string> plots;
   int color = 1;
   for (const auto& key : keys) {
@@ -173,8 +174,7 @@ PlotResult plot_metrics(const std::string& project_dir, const std::string& forma
   script += panel(s, "loss", "loss", {"loss", "eval_loss"});
   script += panel(s, "learning rate", "learning rate", {"lr"});
   script += panel(s, "throughput", "per second", {"samples_per_s", "tokens_per_s"});
-  script += panel(s, "evaluation", "eval metric", std::vector<std::string>(eval_keys.begin(), eval_keys.end()),
-                  "bottom right");
+  script += panel(s, "evaluation", "eval metric", std::vector<std::string>(eval_keys.begin(), eval_keys.end()));
   script += "unset multiplot\nset output\n";
 
   char script_path[] = "/tmp/replica-plot-XXXXXX";

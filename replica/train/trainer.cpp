@@ -689,9 +689,12 @@ int run_worker(const io::RunConfig& config) {
   }
 
   if (p.checkpoint_every > 0 && last_checkpoint != state.global_step) checkpoint();
+  // Rank 0 ends its progress bar before any other rank may print again: a line written while
+  // the bar is on screen would be glued to it.
+  if (main) progress->finish();
+  pg->barrier();
   if (zero) zero->gather_all();  // final/ is always the full (consolidated) model
   if (main) {
-    progress->finish();
     workload->save_final((project / "final").string());
     const double seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
     spdlog::info("done: {} steps in {:.1f} s; model in {}/final", state.global_step, seconds, config.project_name);

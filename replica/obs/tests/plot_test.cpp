@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
 namespace fs = std::filesystem;
 using namespace replica::obs;
@@ -88,3 +89,47 @@ TEST(Plot, BadInputsAreErrorsNamingTheFile) {
   EXPECT_NE(message(bad.string()).find("metrics.jsonl:2"), std::string::npos) << message(bad.string());
   fs::remove_all(bad);
 }
+
+// Every legend lies below its panel's curves (SVG y grows downwards): no legend covers a
+// point, such as the last evaluation of a rising accuracy or the end of a falling loss.
+TEST(Plot, LegendsCoverNoPointOfTheCurves) {
+  ASSERT_FALSE(find_gnuplot().empty()) << "gnuplot is part of the setup (scripts/setup.sh: gnuplot-nox)";
+  std::string lines = metrics_lines();
+  lines += "{\"step\":100,\"epoch\":2,\"eval_loss\":0.4,\"eval_accuracy\":0.95}\n";  // the last point, rising
+  const fs::path dir = project_with_metrics("legend", lines);
+  const PlotResult svg = plot_metrics(dir.string(), "svg");
+  ASSERT_TRUE(svg.written) << svg.note;
+  std::ifstream in(svg.path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::regex translate(R"(translate\(([0-9.]+),([0-9.]+)\))");
+  const std::regex point(R"([ML]([0-9.]+),([0-9.]+))");
+  int checked = 0;
+  for (const std::string key : {"loss", "eval_loss", "lr", "samples_per_s", "eval_accuracy"}) {
+    SCOPED_TRACE(key);
+    // gnuplot writes each curve as <g id="gnuplot_plot_N..."><title>KEY</title>, then its
+    // legend text at translate(x,y), then one path d='...' holding the legend's sample line
+    // (at that height) and the curve.
+    const size_t at = text.find("<title>" + key + "</title>");
+    ASSERT_NE(at, std::string::npos);
+    const std::string rest = text.substr(at);
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(rest, m, translate));
+    const double legend_y = std::stod(m[2].str());
+    const size_t d = rest.find("d='");
+    ASSERT_NE(d, std::string::npos);
+    const std::string curve = rest.substr(d + 3, rest.find('\'', d + 3) - (d + 3));
+    int points = 0;
+    for (auto it = std::sregex_iterator(curve.begin(), curve.end(), point); it != std::sregex_iterator(); ++it) {
+      const double y = std::stod((*it)[2].str());
+      if (std::abs(y - legend_y) < 8) continue;  // the legend's own sample line
+      EXPECT_LT(y, legend_y - 8) << "a point of " << key << " at y " << y << " is at or below its legend (y "
+                                 << legend_y << ")";
+      ++points;
+    }
+    EXPECT_GT(points, 1);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 5);
+  fs::remove_all(dir);
+}
+

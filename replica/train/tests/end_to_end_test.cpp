@@ -513,6 +513,16 @@ TEST_F(EndToEnd, LaunchedRunKeepsItsErrorFileInTheProjectAndThePrintedOne) {
     ++records;
   }
   EXPECT_GE(records, 1) << r;
+  // The workers' error lines are whole lines naming their rank (written in one piece each,
+  // so two ranks failing at once never interleave mid-line).
+  int worker_errors = 0;
+  for (const auto& line : lines_of(r.err)) {
+    if (line.find("error:") == std::string::npos) continue;
+    ++worker_errors;
+    EXPECT_EQ(line.rfind("error: rank ", 0), 0u) << line;
+    EXPECT_EQ(line.find("error:", 1), std::string::npos) << "two error lines in one: " << line;
+  }
+  EXPECT_GE(worker_errors, 1) << r;
   // Every error file path the launcher printed can still be opened.
   const std::regex printed("(/[^ ]*replica-launch-[^ ]*\\.json)");
   int paths = 0;

@@ -236,6 +236,26 @@ TEST_F(Observability, ProgressIsALiveBarOnATerminalAndPlainLinesOnAPipe) {
   }
 }
 
+// Two workers on one terminal: rank 0 draws the bar; the other rank's lines (its memory
+// report at the end) start on a line of their own, never glued to the bar.
+TEST_F(Observability, OtherRanksLinesAreNotGluedToTheBar) {
+  const fs::path cfg = write_config("jsonl", 10);
+  const auto [code, screen] = run_in_terminal({"--config", cfg.string(), "--project-name", (dir_ / "tty2").string(),
+                                               "--nproc-per-node", "2"},
+                                              std::chrono::seconds(120));
+  ASSERT_EQ(code, 0) << screen;
+  EXPECT_NE(screen.find("100% |"), std::string::npos) << screen;
+  int rank1_lines = 0;
+  for (size_t at = screen.find("rank 1: backend"); at != std::string::npos; at = screen.find("rank 1: backend", at + 1)) {
+    ++rank1_lines;
+    const size_t line_start = screen.rfind('\n', at);
+    const std::string before = screen.substr(line_start == std::string::npos ? 0 : line_start + 1,
+                                             at - (line_start == std::string::npos ? 0 : line_start + 1));
+    EXPECT_EQ(before.find("% |"), std::string::npos) << "glued to the bar: " << before << "\n" << screen;
+  }
+  EXPECT_GE(rank1_lines, 1) << screen;
+}
+
 TEST_F(Observability, PlotCommandAndAMissingGnuplot) {
   const fs::path cfg = write_config("jsonl", 6);
   const fs::path project = dir_ / "p";
