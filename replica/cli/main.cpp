@@ -256,7 +256,8 @@ int run_main(int argc, char** argv) {
 static int report_failure(const std::string& message, const std::string& record) {
   const auto rank = replica::env_int("RANK");
   const auto world = replica::env_int("WORLD_SIZE");
-  const std::string who = rank && world && *world > 1 ? fmt::format("rank {}: ", *rank) : "";
+  std::string who = rank && world && *world > 1 ? fmt::format("rank {}: ", *rank) : "";
+  if (!who.empty() && message.rfind(who, 0) == 0) who.clear();  // the message names its rank already
   std::fputs(("error: " + who + message + "\n").c_str(), stderr);
   std::fflush(stderr);
   replica::write_worker_error_file(record);

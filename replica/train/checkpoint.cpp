@@ -172,6 +172,10 @@ std::vector<std::string> consolidate_checkpoint(const std::string& checkpoint_di
     if (adapter.empty()) fail("{}: adapter_config.json but no LoRA weights in {}", checkpoint_dir, zero_dir.string());
     tensors = std::move(adapter);
   }
+  const fs::path out_dir = fs::absolute(out_path).parent_path();
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) fail("consolidate: cannot create the directory of OUT '{}': {}", out_dir.string(), ec.message());
   io::save_safetensors(out_path, tensors, {{"format", "pt"}});
   if (fs::exists(adapter_config)) {
     const fs::path beside = fs::absolute(out_path).parent_path() / "adapter_config.json";

@@ -25,6 +25,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -132,8 +133,11 @@ int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg, int re
       if (removed > 0) spdlog::info("--overwrite: removed {} entr{} of an earlier run from '{}'", removed,
                                     removed == 1 ? "y" : "ies", config.project_name);
     }
+    // errors/ alone (a run that failed before it wrote anything else, e.g. on a busy port)
+    // holds nothing a new run would replace or lose: it does not block a fresh start.
     const auto outputs = run_outputs(project);
-    if (!outputs.empty()) {
+    const bool only_errors = outputs.size() == 1 && outputs[0].filename() == "errors";
+    if (!outputs.empty() && !only_errors) {
       std::vector<std::string> skipped;
       auto latest = latest_checkpoint(config.project_name, &skipped);
       if (latest) {

@@ -490,6 +490,13 @@ TEST_F(EndToEnd, EarlierOutputsWithoutACheckpointAreAnErrorAndOverwriteKeepsTheU
   EXPECT_EQ(read_file(p / "notes.txt"), "my notes\n");
   EXPECT_EQ(read_file(p / "my-data" / "train.jsonl"), "{}\n");
   EXPECT_TRUE(fs::exists(p / "final" / "model.safetensors"));
+
+  // errors/ alone (a run that failed before writing anything else) does not block a new run.
+  const fs::path q = project("q");
+  fs::create_directories(q / "errors");
+  std::ofstream(q / "errors" / "rank-0.restart-0.json") << "{\"message\": \"port busy\"}\n";
+  const Result after_failure = replica({"--config", cfg.string(), "--project-name", q.string(), "--max-steps", "2"});
+  EXPECT_EQ(after_failure.exit_code, 0) << after_failure;
 }
 
 // `replica launch -- replica --config ...` with a failing worker: the failure is recorded in
