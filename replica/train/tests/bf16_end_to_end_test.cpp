@@ -1,14 +1,15 @@
-// bf16 mixed precision end to end, for every task, at world 2, under DDP and ZeRO-3, through
-// the real `replica` program: the run succeeds, its loss falls, and its weights stay close to
-// the fp32 run's. "Close" is measured against how far training moved them:
+// bf16 mixed precision end to end, for every task, at world 2, under DDP (sharded optimizer
+// step and plain) and ZeRO-3, through the real `replica` program: the run succeeds, its loss
+// falls, and its weights stay close to the fp32 run's. "Close" is measured against how far
+// training moved them:
 //   ||w_bf16 - w_fp32|| / ||w_fp32 - w_init|| <= bound
 // bf16 autocast rounds activations and gradients to 8 bits of mantissa, so the two runs drift
 // apart; a run whose bf16 path were broken (gradients lost, cast wrongly) is off by the order
 // of 1. Measured (2026-11-25): MLP 0.025, LoRA SFT 0.007 (bound 0.1); two-tower 0.15 (30 SGD
 // steps at lr 0.5 on embeddings), ResNet-18 0.19 (BatchNorm statistics and 20 conv layers
-// amplify the rounding) (bound 0.35). SGD keeps the comparison meaningful: Adam's normalised updates
-// turn rounding noise in near-zero gradients into full-size steps. w_init comes from the same
-// run with a learning rate of 1e-30 for one step (the same seed, the same initialisation).
+// amplify the rounding) (bound 0.35). SGD keeps the comparison meaningful: Adam's normalised
+// updates turn rounding noise in near-zero gradients into full-size steps. w_init comes from
+// the same run with a learning rate of 1e-30 for one step (the same seed and initialisation).
 #include "replica/train/tests/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
 
@@ -138,22 +139,26 @@ class Bf16EndToEnd : public replica::testing::ScratchDirTest, public ::testing::
     if (HasFailure()) return;
     const double moved = distance(fp32, init);
     ASSERT_GT(moved, 0) << "the fp32 run did not change its weights";
-    for (const std::string backend : {"ddp", "zero3"}) {
-      SCOPED_TRACE(backend);
-      const Tensors bf16 = run(task, "bf16-" + backend, "bf16", backend);
+    // DDP (its default on one host: the sharded optimizer step), plain DDP, ZeRO-3.
+    for (const std::string variant : {"ddp", "ddp-unsharded", "zero3"}) {
+      SCOPED_TRACE(variant);
+      const std::string backend = variant == "zero3" ? "zero3" : "ddp";
+      std::vector<std::string> extra;
+      if (variant == "ddp-unsharded") extra = {"--shard-optimizer", "false"};
+      const Tensors bf16 = run(task, "bf16-" + variant, "bf16", backend, extra);
       if (HasFailure()) return;
       for (const auto& [name, t] : bf16) {
         EXPECT_EQ(t.scalar_type(), fp32.at(name).scalar_type()) << name << ": fp32 master weights are saved";
       }
       const double off = distance(bf16, fp32) / moved;
-      const auto losses = train_losses(dir_ / ("bf16-" + backend));
+      const auto losses = train_losses(dir_ / ("bf16-" + variant));
       ASSERT_GE(losses.size(), 6u);
       double first = 0, last = 0;
       for (size_t i = 0; i < 3; ++i) {
         first += losses[i] / 3;
         last += losses[losses.size() - 1 - i] / 3;
       }
-      std::cout << "[" << GetParam() << " " << backend << "] bf16 vs fp32: ||dw|| / ||moved|| " << off
+      std::cout << "[" << GetParam() << " " << variant << "] bf16 vs fp32: ||dw|| / ||moved|| " << off
                 << "; loss (first 3 / last 3 steps) " << first << " -> " << last << "\n";
       EXPECT_LE(off, bound);
       EXPECT_LT(last, first);
