@@ -32,19 +32,6 @@ namespace {
 
 using Tensors = std::map<std::string, torch::Tensor>;
 
-double distance(const Tensors& a, const Tensors& b) {
-  double sum = 0;
-  for (const auto& [name, t] : a) {
-    auto it = b.find(name);
-    if (it == b.end() || it->second.sizes() != t.sizes()) {
-      ADD_FAILURE() << "tensor " << name << " missing or of another shape";
-      return 1e30;
-    }
-    sum += (t.to(torch::kDouble) - it->second.to(torch::kDouble)).pow(2).sum().item<double>();
-  }
-  return std::sqrt(sum);
-}
-
 std::vector<double> train_losses(const fs::path& project) {
   std::vector<double> out;
   std::ifstream in(project / "metrics.jsonl");
@@ -137,7 +124,7 @@ class Bf16EndToEnd : public replica::testing::ScratchDirTest, public ::testing::
     std::vector<std::string> init_extra = {"--lr", "1e-30", "--max-steps", "1"};
     const Tensors init = run(task, "init", "fp32", "ddp", init_extra);
     if (HasFailure()) return;
-    const double moved = distance(fp32, init);
+    const double moved = replica::testing::l2_distance(fp32, init);
     ASSERT_GT(moved, 0) << "the fp32 run did not change its weights";
     // DDP (its default on one host: the sharded optimizer step), plain DDP, ZeRO-3.
     for (const std::string variant : {"ddp", "ddp-unsharded", "zero3"}) {
@@ -150,7 +137,7 @@ class Bf16EndToEnd : public replica::testing::ScratchDirTest, public ::testing::
       for (const auto& [name, t] : bf16) {
         EXPECT_EQ(t.scalar_type(), fp32.at(name).scalar_type()) << name << ": fp32 master weights are saved";
       }
-      const double off = distance(bf16, fp32) / moved;
+      const double off = replica::testing::l2_distance(bf16, fp32) / moved;
       const auto losses = train_losses(dir_ / ("bf16-" + variant));
       ASSERT_GE(losses.size(), 6u);
       double first = 0, last = 0;
