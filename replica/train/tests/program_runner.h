@@ -55,10 +55,11 @@ inline bool is_world_variable(const std::string& name) {
 
 // Runs `program args...` with the current environment (minus world variables) plus `env`.
 // Bounded by `limit`: on expiry the child's process group is killed and timed_out is set.
+// A non-empty `cwd` is the child's working directory (relative paths in `args` resolve there).
 inline Result run_program(const std::string& program, const std::vector<std::string>& args,
                           const std::map<std::string, std::string>& env = {},
                           std::chrono::seconds limit = std::chrono::seconds(60),
-                          const std::string& stdin_text = "") {
+                          const std::string& stdin_text = "", const std::string& cwd = "") {
   using Clock = std::chrono::steady_clock;
   Result r;
   // Everything the child needs is built before fork (only async-signal-safe calls after).
@@ -105,6 +106,12 @@ inline Result run_program(const std::string& program, const std::vector<std::str
     dup2(in_fd, 0);
     dup2(out_pipe[1], 1);
     dup2(err_pipe[1], 2);
+    if (!cwd.empty() && chdir(cwd.c_str()) != 0) {
+      const char msg[] = "chdir to the working directory failed\n";
+      ssize_t ignored = write(2, msg, sizeof msg - 1);
+      (void)ignored;
+      _exit(127);
+    }
     execve(argv[0], argv.data(), envp.data());
     const char msg[] = "exec failed\n";
     ssize_t ignored = write(2, msg, sizeof msg - 1);
