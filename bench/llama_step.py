@@ -1,14 +1,18 @@
 # PyTorch eager side of bench/llama_step.cpp: the same ~20M Llama (the plain-torch reference
 # implementation the model tests compare against), batch x 256 tokens, AdamW, one thread.
 # usage: .venv/bin/python bench/llama_step.py [--batch 4 --seq 256 --steps 10 --warmup 2] [--compile]
+#        [--attn eager|sdpa]
 # --compile times torch.compile(model) (Inductor, CPU) instead of eager; the warm-up steps
-# include the compilation.
+# include the compilation. --attn sdpa runs attention through F.scaled_dot_product_attention
+# (transformers' default attn_implementation, and what replica runs) instead of the reference's
+# matmul / softmax / matmul (transformers' "eager" attention).
 import argparse, os, sys, time
 p = argparse.ArgumentParser()
 for k, v in [("batch", 4), ("seq", 256), ("steps", 10), ("warmup", 2), ("threads", 1)]:
     p.add_argument("--" + k, type=int, default=v)
 p.add_argument("--profile", default="", help="write a Chrome trace of the timed steps")
 p.add_argument("--compile", action="store_true", help="torch.compile the model (Inductor) instead of eager")
+p.add_argument("--attn", choices=["eager", "sdpa"], default="eager", help="attention implementation")
 a = p.parse_args()
 # One thread means one: OpenBLAS reads OMP_NUM_THREADS when it loads (as under the peer harness,
 # ../shared/bench/spawn.sh), while torch.set_num_threads alone leaves it a second GEMM thread.
@@ -17,6 +21,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "replica", "models", "tests", "reference"))
 import llama_reference as ref
 torch.set_num_threads(a.threads)
+if a.attn == "sdpa":
+    def sdpa_attention_forward(module, query, key, value, attention_mask, scaling):
+        # Causal without a mask tensor, grouped-query heads without repeat_kv, as transformers'
+        # sdpa path on torch >= 2.5 (the reference's additive mask is plain causal here).
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                               enable_gqa=module.num_key_value_groups > 1)
+        return out.transpose(1, 2).contiguous()
+    ref.eager_attention_forward = sdpa_attention_forward
 torch.manual_seed(0)
 config = ref.hf_config("bench", model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=5,
                        num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024,
@@ -41,5 +53,5 @@ if prof:
     prof.__exit__(None, None, None)
     prof.export_chrome_trace(a.profile)
 n = sum(p.numel() for p in model.parameters())
-print(f"side=pytorch-{'compile' if a.compile else 'eager'} params={n} batch={a.batch} seq={a.seq} steps/s={a.steps/dt:.3f} "
+print(f"side=pytorch-{'compile' if a.compile else 'eager'}-{a.attn} params={n} batch={a.batch} seq={a.seq} steps/s={a.steps/dt:.3f} "
       f"tokens/s={a.steps*a.batch*a.seq/dt:.1f} cpu_tokens/s={a.steps*a.batch*a.seq/cpu:.1f} loss={loss.item():.4f}")
