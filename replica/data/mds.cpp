@@ -1,5 +1,6 @@
 // MDS (Mosaic Streaming format v2) writer and reader; the layout is documented in mds.h.
 #include "replica/data/mds.h"
+#include "replica/core/files.h"
 
 #include "replica/core/error.h"
 #include "replica/data/records.h"
@@ -276,27 +277,6 @@ MdsValue decode_value(const MdsColumn& column, const char* p, size_t n, const st
   return t;
 }
 
-std::string read_whole_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open '{}'", path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void write_whole_file(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) fail("cannot write '{}'", tmp);
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) fail("cannot rename '{}' to '{}': {}", tmp, path, ec.message());
-}
-
 int zstd_level(const std::string& compression) {
   if (compression == "zstd") return 3;
   if (compression.rfind("zstd:", 0) == 0) {
@@ -443,7 +423,7 @@ void MdsWriter::flush_shard() {
   entry["samples"] = n;
   entry["raw_data"] = {{"basename", basename}, {"bytes", data.size()}, {"hashes", nlohmann::json::object()}};
   if (options_.compression.empty()) {
-    write_whole_file((fs::path(dir_) / basename).string(), data);
+    write_file_atomically((fs::path(dir_) / basename).string(), data);
     entry["zip_data"] = nullptr;
   } else {
     std::string zipped(ZSTD_compressBound(data.size()), '\0');
@@ -451,7 +431,7 @@ void MdsWriter::flush_shard() {
     if (ZSTD_isError(z)) fail("zstd compression of {} failed: {}", basename, ZSTD_getErrorName(z));
     zipped.resize(z);
     const std::string zip_name = basename + ".zstd";
-    write_whole_file((fs::path(dir_) / zip_name).string(), zipped);
+    write_file_atomically((fs::path(dir_) / zip_name).string(), zipped);
     entry["zip_data"] = {{"basename", zip_name}, {"bytes", zipped.size()}, {"hashes", nlohmann::json::object()}};
   }
   shard_entries_.push_back(entry.dump());
@@ -465,7 +445,7 @@ void MdsWriter::finish() {
   flush_shard();
   nlohmann::json index = {{"version", 2}, {"shards", nlohmann::json::array()}};
   for (const auto& e : shard_entries_) index["shards"].push_back(nlohmann::json::parse(e));
-  write_whole_file((fs::path(dir_) / "index.json").string(), index.dump(4) + "\n");
+  write_file_atomically((fs::path(dir_) / "index.json").string(), index.dump(4) + "\n");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -479,7 +459,7 @@ MdsDataset::MdsDataset(const std::string& path) {
   if (!fs::exists(index_path)) fail("MDS index '{}' does not exist", where);
   nlohmann::json index;
   try {
-    index = nlohmann::json::parse(read_whole_file(where));
+    index = nlohmann::json::parse(read_file(where));
   } catch (const nlohmann::json::exception& e) {
     fail("{}: not valid JSON: {}", where, e.what());
   }
@@ -545,7 +525,7 @@ std::string MdsDataset::sample_bytes(int64_t index, const Shard** shard_out) con
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!shard.decompressed) {
-        const std::string zipped = read_whole_file(shard.zip_path);
+        const std::string zipped = read_file(shard.zip_path);
         const unsigned long long size = ZSTD_getFrameContentSize(zipped.data(), zipped.size());
         if (size == ZSTD_CONTENTSIZE_ERROR || size == ZSTD_CONTENTSIZE_UNKNOWN) fail("'{}': not a zstd frame of known size", shard.zip_path);
         auto out = std::make_shared<std::string>(size, '\0');

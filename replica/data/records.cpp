@@ -1,4 +1,5 @@
 #include "replica/data/records.h"
+#include "replica/core/files.h"
 
 #include "replica/core/error.h"
 
@@ -10,10 +11,6 @@ namespace fs = std::filesystem;
 
 namespace replica::data {
 namespace {
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 std::vector<NumberedRecord> read_jsonl(const std::string& file) {
   std::ifstream in(file);

@@ -1,13 +1,11 @@
-// Writing files so that a crash never leaves a half-written one in place.
+// Checksums of the files a checkpoint holds (the atomic write itself is core/files.h).
 #pragma once
+
+#include "replica/core/files.h"
 
 #include <string>
 
 namespace replica::io {
-
-// Writes `text` to PATH.tmp.<pid>, fsyncs it and renames it over `path`: readers see the old
-// file or the new one, never a mix. replica::Error naming the path on failure (disk full...).
-void write_file_atomically(const std::string& path, const std::string& text);
 
 // SHA-256 of a file's bytes as 64 lowercase hex digits; replica::Error naming the path when
 // it cannot be read.
@@ -23,8 +21,5 @@ void write_checksum_manifest(const std::string& dir);
 bool verify_checksum_manifest(const std::string& dir);
 
 inline constexpr const char* kChecksumManifest = "checksums.sha256";
-
-// fsync of a file or directory (after a rename, the directory entry too); errors ignored.
-void fsync_path(const std::string& path);
 
 }  // namespace replica::io

@@ -1,4 +1,5 @@
 #include "replica/models/hf_model_dir.h"
+#include "replica/core/files.h"
 
 #include "replica/core/error.h"
 #include "replica/io/files.h"
@@ -20,31 +21,10 @@ namespace {
 using json = nlohmann::json;
 namespace fs = std::filesystem;
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 bool is_lora_name(const std::string& name) {
   return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot open", path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-
-void copy_file_atomically(const fs::path& from, const fs::path& to) {
-  const fs::path tmp = to.string() + ".tmp." + std::to_string(::getpid());
-  std::error_code ec;
-  fs::copy_file(from, tmp, fs::copy_options::overwrite_existing, ec);
-  if (ec) fail("{}: cannot copy to {}: {}", from.string(), tmp.string(), ec.message());
-  fs::rename(tmp, to, ec);
-  if (ec) fail("{}: cannot rename {} into place: {}", to.string(), tmp.string(), ec.message());
-}
 
 // Files save_pretrained / tokenizer.save_pretrained leave next to the weights, other than
 // config.json and the weights themselves.
@@ -75,7 +55,7 @@ std::vector<std::string> hf_weight_files(const std::string& dir) {
   }
   json index;
   try {
-    index = json::parse(read_text(index_path.string()));
+    index = json::parse(read_file(index_path.string()));
   } catch (const json::parse_error& e) {
     fail("{}: not valid JSON: {}", index_path.string(), e.what());
   }
@@ -106,7 +86,7 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
   std::map<std::string, std::string> expected_file;
   const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
   if (files.size() > 1 || fs::path(files[0]).filename() != "model.safetensors") {
-    json index = json::parse(read_text(index_path.string()));
+    json index = json::parse(read_file(index_path.string()));
     for (const auto& [tensor, file] : index["weight_map"].items()) {
       expected_file[tensor] = (fs::path(dir) / file.get<std::string>()).string();
     }
@@ -200,24 +180,24 @@ void save_hf_model_dir(const LlamaForCausalLM& model, const std::string& out_dir
     const auto source_config = read_llama_config_file((fs::path(source_dir) / "config.json").string());
     if (source_config.torch_dtype == dtype_name ||
         (source_config.torch_dtype == "float" && dtype_name == "float32")) {
-      copy_file_atomically(fs::path(source_dir) / "config.json", out / "config.json");
+      copy_file_atomically((fs::path(source_dir) / "config.json").string(), (out / "config.json").string());
       copied_config = true;
     } else {
       LlamaConfig c = source_config;
       c.torch_dtype = dtype_name;
-      io::write_file_atomically((out / "config.json").string(), c.to_json_string());
+      write_file_atomically((out / "config.json").string(), c.to_json_string());
       copied_config = true;
     }
   }
   if (!copied_config) {
     LlamaConfig c = model->config();
     c.torch_dtype = dtype_name;
-    io::write_file_atomically((out / "config.json").string(), c.to_json_string());
+    write_file_atomically((out / "config.json").string(), c.to_json_string());
   }
   if (!source_dir.empty()) {
     for (const auto& entry : fs::directory_iterator(source_dir)) {
       const std::string name = entry.path().filename().string();
-      if (entry.is_regular_file() && is_carried_file(name)) copy_file_atomically(entry.path(), out / name);
+      if (entry.is_regular_file() && is_carried_file(name)) copy_file_atomically(entry.path().string(), (out / name).string());
     }
   }
 }
@@ -291,7 +271,7 @@ LlamaConfig make_tiny_llama(const std::string& dir, int64_t vocab_size, const Ti
     gen_config["eos_token_id"] = c.eos_token_ids;
   }
   if (c.pad_token_id) gen_config["pad_token_id"] = *c.pad_token_id;
-  io::write_file_atomically((fs::path(dir) / "generation_config.json").string(), gen_config.dump(2) + "\n");
+  write_file_atomically((fs::path(dir) / "generation_config.json").string(), gen_config.dump(2) + "\n");
   return c;
 }
 

@@ -1,6 +1,7 @@
 // LoRA as PEFT implements it (peft/tuners/lora/layer.py: Linear.update_layer, forward,
 // get_delta_weight, merge), and PEFT's adapter directory layout.
 #include "replica/models/lora.h"
+#include "replica/core/files.h"
 
 #include "replica/core/error.h"
 #include "replica/io/files.h"
@@ -26,10 +27,6 @@ namespace fs = std::filesystem;
 
 // PEFT's saved names: the PeftModel wraps the model as base_model (LoraModel) -> model.
 constexpr const char* kPeftPrefix = "base_model.model.";
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 std::string last_component(const std::string& name) {
   auto dot = name.rfind('.');
@@ -292,7 +289,7 @@ void save_adapter(const torch::nn::Module& model, const LoraConfig& config, cons
   io::NamedTensors owned;
   for (const auto& [name, t] : tensors) owned.emplace_back(name, t.detach().cpu().contiguous());
   io::save_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), owned, {{"format", "pt"}});
-  io::write_file_atomically((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
+  write_file_atomically((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
 }
 
 LoraConfig read_adapter_config(const std::string& dir) {

@@ -1,4 +1,5 @@
 #include "replica/train/checkpoint.h"
+#include "replica/core/files.h"
 
 #include "replica/core/error.h"
 #include "replica/io/files.h"
@@ -69,17 +70,17 @@ std::string save_checkpoint(const std::string& project_dir, const Checkpoint& ck
     io::save_safetensors((tmp / "optimizer.safetensors").string(), ckpt.optimizer);
     io::save_safetensors((tmp / "rng_state.safetensors").string(), ckpt.rng);
     // trainer_state.json last: its presence in a renamed directory marks a whole checkpoint.
-    io::write_file_atomically((tmp / "trainer_state.json").string(), ckpt.state.to_json().dump(2) + "\n");
+    write_file_atomically((tmp / "trainer_state.json").string(), ckpt.state.to_json().dump(2) + "\n");
     // Checksums of everything above, verified before any resume from this checkpoint.
     io::write_checksum_manifest(tmp.string());
-    io::fsync_path(tmp.string());
+    fsync_path(tmp.string());
     // An older save of the same step (a resumed run redoing it) is moved aside rather than
     // deleted first, so some complete checkpoint-N exists at every instant.
     const fs::path replaced = project / fmt::format(".checkpoint-{}.old-{}", ckpt.state.global_step, getpid());
     const bool had_same_step = fs::exists(final_dir);
     if (had_same_step) fs::rename(final_dir, replaced);
     fs::rename(tmp, final_dir);
-    io::fsync_path(project.string());
+    fsync_path(project.string());
     if (had_same_step) fs::remove_all(replaced, ec);
   } catch (const std::exception& e) {
     fs::remove_all(tmp, ec);
@@ -180,11 +181,7 @@ std::vector<std::string> consolidate_checkpoint(const std::string& checkpoint_di
   if (fs::exists(adapter_config)) {
     const fs::path beside = fs::absolute(out_path).parent_path() / "adapter_config.json";
     if (!fs::exists(beside)) {
-      std::ifstream in(adapter_config, std::ios::binary);
-      std::stringstream text;
-      text << in.rdbuf();
-      if (!in) fail("cannot read {}", adapter_config.string());
-      io::write_file_atomically(beside.string(), text.str());
+      copy_file_atomically(adapter_config.string(), beside.string());
       written.push_back(beside.string());
     }
   }

@@ -110,7 +110,7 @@ void write_jsonl(const fs::path& file, const std::vector<ordered_json>& chats) {
     record["messages"] = chat;
     text += record.dump() + "\n";
   }
-  io::write_file_atomically(file.string(), text);
+  write_file_atomically(file.string(), text);
 }
 
 std::string shell_quote(const std::string& s) {
@@ -204,13 +204,13 @@ LlmDemo write_llm_demo(const std::string& dir, uint64_t seed) {
   config["tokenizer_class"] = "LlamaTokenizer";
   config["unk_token"] = "<unk>";
   config["use_default_system_prompt"] = false;
-  io::write_file_atomically((model_dir / "tokenizer_config.json").string(), config.dump(2) + "\n");
+  write_file_atomically((model_dir / "tokenizer_config.json").string(), config.dump(2) + "\n");
   ordered_json special;
   special["additional_special_tokens"] = {"<|im_start|>", "<|im_end|>"};
   special["bos_token"] = "<s>";
   special["eos_token"] = "</s>";
   special["unk_token"] = "<unk>";
-  io::write_file_atomically((model_dir / "special_tokens_map.json").string(), special.dump(2) + "\n");
+  write_file_atomically((model_dir / "special_tokens_map.json").string(), special.dump(2) + "\n");
 
   const text::Tokenizer tok = text::Tokenizer::from_dir(model_dir.string());
   const auto im_start = tok.token_to_id("<|im_start|>"), im_end = tok.token_to_id("<|im_end|>");

@@ -1,6 +1,7 @@
 // LLM supervised fine-tuning: records -> samples -> packed rows -> the Llama model, with or
 // without LoRA (see llm_sft.h).
 #include "replica/train/llm_sft.h"
+#include "replica/core/files.h"
 
 #include "replica/core/error.h"
 #include "replica/data/records.h"
@@ -100,11 +101,7 @@ void copy_tokenizer_files(const std::string& from, const std::string& to) {
   for (const auto& entry : fs::directory_iterator(from)) {
     const std::string name = entry.path().filename().string();
     if (!entry.is_regular_file() || !is_tokenizer_file(name)) continue;
-    std::ifstream in(entry.path(), std::ios::binary);
-    if (!in) fail("cannot read {}", entry.path().string());
-    std::ostringstream text;
-    text << in.rdbuf();
-    io::write_file_atomically((fs::path(to) / name).string(), text.str());
+    copy_file_atomically(entry.path().string(), (fs::path(to) / name).string());
   }
 }
 
@@ -610,7 +607,7 @@ class LlmSft final : public Workload {
     } else {
       models::LlamaConfig c = model_->config();
       c.torch_dtype = "float32";  // checkpoints hold the fp32 master weights
-      io::write_file_atomically((fs::path(dir) / "config.json").string(), c.to_json_string());
+      write_file_atomically((fs::path(dir) / "config.json").string(), c.to_json_string());
     }
   }
 

@@ -1,4 +1,5 @@
 #include "replica/train/project_dir.h"
+#include "replica/core/files.h"
 
 #include "replica/core/error.h"
 
@@ -12,8 +13,6 @@ namespace replica::train {
 namespace fs = std::filesystem;
 
 namespace {
-
-bool starts_with(std::string_view s, std::string_view prefix) { return s.substr(0, prefix.size()) == prefix; }
 
 bool all_digits(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
@@ -35,7 +34,7 @@ bool is_written_name(std::string_view name) {
 bool is_run_output(const std::string& name) {
   if (is_written_name(name)) return true;
   // Staging names of the atomic writes: .checkpoint-STEP.tmp-PID / .old-PID (checkpoint.cpp),
-  // .zero-STEP (the ZeRO-3 shards being gathered), NAME.tmp.PID (io::write_file_atomically).
+  // .zero-STEP (the ZeRO-3 shards being gathered), NAME.tmp.PID (write_file_atomically).
   if (starts_with(name, ".checkpoint-") || starts_with(name, ".zero-")) return true;
   const size_t tmp = name.rfind(".tmp.");
   return tmp != std::string::npos && all_digits(std::string_view(name).substr(tmp + 5)) &&

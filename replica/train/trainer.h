@@ -6,10 +6,12 @@
 // it trains in-process.
 //
 // The loop (run_worker): epochs or max_steps; per-worker micro-batches of batch_size;
-// gradient_accumulation micro-steps per optimizer step (communication only on the last,
-// through DDP's no_sync); warm-up then constant/linear/cosine decay; gradient clipping;
+// gradient_accumulation micro-steps per optimizer step (communication only on the last where
+// the engine can defer it); warm-up then constant/linear/cosine decay; gradient clipping;
 // evaluation on the valid split; metrics.jsonl; checkpoint-STEP/ and resume from the newest
-// whole one; final/. Only rank 0 writes shared files.
+// whole one; final/. Only rank 0 writes shared files. Parallelism (DDP, sharded DDP, ZeRO-3)
+// is applied once, by the engine (train/engine.h); reporting is train/step_log.h, starting
+// and checkpointing train/run_state.h.
 // Around the loop (replica/obs): rank 0's progress bar or plain lines, metrics.jsonl with the
 // time split, TensorBoard events (log: tensorboard), the plot at the end, and with
 // params.timeline (`--timeline FILE`, or REPLICA_TIMELINE) a Chrome trace of every rank.

@@ -109,7 +109,7 @@ void save_shards(const std::string& zero_dir, Zero3& engine, const io::NamedTens
                            {"world_size", engine.process_group().size()},
                            {"groups", groups},
                            {"buffers", buffers}};
-    io::write_file_atomically((fs::path(zero_dir) / "metadata.json").string(), meta.dump(2) + "\n");
+    write_file_atomically((fs::path(zero_dir) / "metadata.json").string(), meta.dump(2) + "\n");
   }
 }
 

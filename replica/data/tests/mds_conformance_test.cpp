@@ -13,7 +13,7 @@
 //   (referee/mds_referee.py write).
 #include "replica/data/mds.h"
 #include "replica/testing/referee.h"
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

@@ -4,6 +4,7 @@
 // global batch while, in the same process, a reference copy trains on the whole global batch
 // without any communication. DDP is right when both end with the same parameters.
 #include "replica/core/error.h"
+#include "replica/testing/launch_scenario.h"
 #include "replica/ddp/ddp.h"
 #include "replica/ddp/sync_batchnorm.h"
 #include "replica/dist/process_group.h"
@@ -22,6 +23,8 @@
 
 using replica::ddp::DDPOptions;
 using replica::ddp::DistributedDataParallel;
+
+using replica::testing::launch_scenario;
 
 namespace {
 
@@ -351,7 +354,7 @@ int sync_batchnorm() {
 
 }  // namespace
 
-int run_ddp_worker(const std::string& name) {
+int run_test_worker(const std::string& name) {
   try {
     if (name == "sgd_equivalence") return sgd_equivalence();
     if (name == "no_sync_accumulation") return no_sync_accumulation();
@@ -366,20 +369,6 @@ int run_ddp_worker(const std::string& name) {
     return 1;
   }
 }
-
-namespace {
-
-int launch_scenario(const std::string& name, int nproc,
-                    const std::map<std::string, std::string>& env = {}) {
-  replica::launch::LaunchOptions opts;
-  opts.env = env;
-  opts.nproc_per_node = nproc;
-  opts.threads_per_worker = 1;
-  opts.command = {"/proc/self/exe", "--worker", name};
-  return replica::launch::run(opts);
-}
-
-}  // namespace
 
 TEST(DDPMultiProcess, World2EqualsWorld1With20SgdSteps) { EXPECT_EQ(launch_scenario("sgd_equivalence", 2), 0); }
 TEST(DDPMultiProcess, World2OverSharedMemory) {

@@ -6,7 +6,7 @@
 #include "replica/dist/process_group.h"
 #include "replica/dist/store.h"
 #include "replica/dist/world.h"
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 #include "replica/dist/tests/loopback.h"
 
 #include <arpa/inet.h>
@@ -70,7 +70,12 @@ std::string self_exe() {
 
 }  // namespace
 
-int run_rdzv_worker() {
+// One rank of the locked-rendezvous scenario ("rdzv"), the only scenario of this binary.
+int run_test_worker(const std::string& name) {
+  if (name != "rdzv") {
+    std::cerr << "unknown scenario " << name << "\n";
+    return 2;
+  }
   try {
     auto world = world_from_env();
     if (!world) throw replica::Error("no world in the environment");
@@ -123,7 +128,7 @@ TEST(LockedRendezvous, GarbageAndWrongTokenAreRefusedWhileATwoWorkerJobFinishes)
   const auto r = replica::testing::run_program(
       REPLICA_BIN,
       {"launch", "--nproc-per-node", "2", "--master-port", std::to_string(port), "--token", token, "--", self_exe(),
-       "--rdzv-worker"},
+       "--worker", "rdzv"},
       {}, std::chrono::seconds(120));
   stop = true;
   intruders.join();

@@ -15,7 +15,7 @@
 //   integer extremes), shapes (0-d, empty) and __metadata__.
 #include "replica/io/safetensors.h"
 #include "replica/testing/referee.h"
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

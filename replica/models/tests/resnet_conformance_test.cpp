@@ -11,7 +11,7 @@
 #include "replica/io/safetensors.h"
 #include "replica/models/resnet.h"
 #include "replica/testing/referee.h"
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

@@ -10,7 +10,7 @@
 // amplify the rounding) (bound 0.35). SGD keeps the comparison meaningful: Adam's normalised
 // updates turn rounding noise in near-zero gradients into full-size steps. w_init comes from
 // the same run with a learning rate of 1e-30 for one step (the same seed and initialisation).
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
 
 #include <gtest/gtest.h>

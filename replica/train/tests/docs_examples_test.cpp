@@ -6,7 +6,7 @@
 // each runs four times: fp32 and bf16, at world 1 and 2. What cannot run here is skipped by a
 // listed rule and printed; a skipped synopsis must be one of the known forms, so a new runnable
 // command is never skipped silently.
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

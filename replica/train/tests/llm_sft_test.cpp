@@ -4,7 +4,7 @@
 #include "replica/train/llm_sft.h"
 
 #include "replica/core/error.h"
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
 #include "replica/io/safetensors.h"
 #include "replica/models/hf_model_dir.h"

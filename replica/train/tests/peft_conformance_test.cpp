@@ -19,7 +19,7 @@
 #include "replica/models/llama.h"
 #include "replica/models/lora.h"
 #include "replica/train/llm_sft.h"
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

@@ -1,7 +1,7 @@
 // The two-tower and ResNet workloads through the real `replica` program (REPLICA_BIN):
 // synthetic recommender data written as MDS by `replica mds synthetic`, then training runs
 // started as child processes (bounded by program_runner's deadline).
-#include "replica/train/tests/program_runner.h"
+#include "replica/testing/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
 #include "replica/io/safetensors.h"
 

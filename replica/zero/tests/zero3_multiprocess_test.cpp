@@ -4,6 +4,7 @@
 // the rank's share of the same global batches with the same optimizer; after the steps the
 // ZeRO-3 parameters, gathered, must equal DDP's (max abs difference <= 1e-5, fp32).
 #include "replica/core/error.h"
+#include "replica/testing/launch_scenario.h"
 #include "replica/core/system.h"
 #include "replica/ddp/ddp.h"
 #include "replica/dist/process_group.h"
@@ -28,6 +29,8 @@ namespace fs = std::filesystem;
 using replica::fail;
 using replica::zero::Zero3;
 using replica::zero::Zero3Options;
+
+using replica::testing::launch_scenario;
 
 namespace {
 
@@ -307,7 +310,7 @@ int save_shards() {
 
 }  // namespace
 
-int run_zero_worker(const std::string& name) {
+int run_test_worker(const std::string& name) {
   try {
     if (name == "mlp_equals_ddp") return mlp_equals_ddp();
     if (name == "tied_and_padding") return tied_and_padding();
@@ -322,15 +325,6 @@ int run_zero_worker(const std::string& name) {
 }
 
 namespace {
-
-int launch_scenario(const std::string& name, int nproc, const std::map<std::string, std::string>& env = {}) {
-  replica::launch::LaunchOptions opts;
-  opts.env = env;
-  opts.nproc_per_node = nproc;
-  opts.threads_per_worker = 1;
-  opts.command = {"/proc/self/exe", "--worker", name};
-  return replica::launch::run(opts);
-}
 
 double max_abs(const replica::io::NamedTensors& a, const replica::io::NamedTensors& b) {
   std::map<std::string, torch::Tensor> by_name(b.begin(), b.end());

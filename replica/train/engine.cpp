@@ -1,0 +1,220 @@
+#include "replica/train/engine.h"
+
+#include "replica/core/error.h"
+#include "replica/ddp/ddp.h"
+#include "replica/dist/process_group.h"
+#include "replica/train/checkpoint.h"
+#include "replica/train/optim.h"
+#include "replica/train/workload.h"
+#include "replica/zero/checkpoint.h"
+#include "replica/zero/zero3.h"
+
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+namespace fs = std::filesystem;
+
+namespace replica::train {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+double peak_rss_mib() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
+bool is_zero3_checkpoint(const std::string& dir) { return fs::exists(fs::path(dir) / "zero" / "metadata.json"); }
+
+// The L2 norm over every gradient (DDP's gradients are already the global average).
+double global_grad_norm(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> norms;
+  for (const auto& param : params) {
+    if (param.grad().defined()) norms.push_back(param.grad().detach().norm(2.0).to(torch::kDouble));
+  }
+  return norms.empty() ? 0.0 : torch::stack(norms).norm(2.0).item<double>();
+}
+
+class DdpEngine final : public ParallelEngine {
+ public:
+  DdpEngine(const io::Params& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<dist::ProcessGroup> pg)
+      : model_(std::move(model)), pg_(std::move(pg)) {
+    ddp::DDPOptions options;
+    options.shard_optimizer = p.shard_optimizer;  // nullopt: auto, decided by DDP
+    ddp_ = std::make_unique<ddp::DistributedDataParallel>(model_, pg_, options);
+    if (ddp_->sharded()) {
+      // The optimizer steps this worker's shards instead of the parameters.
+      params_ = ddp_->shard_parameters();
+      names_ = ddp_->shard_names();
+    } else {
+      for (auto& item : model_->named_parameters()) {
+        if (!item.value().requires_grad()) continue;
+        params_.push_back(item.value());
+        names_.push_back(item.key());
+      }
+    }
+  }
+
+  void backward(const torch::Tensor& loss, bool sync) override {
+    if (sync) {
+      loss.backward();
+    } else {
+      auto no_sync = ddp_->no_sync();
+      loss.backward();
+    }
+  }
+  double comm_wait_seconds() const override { return ddp_->comm_wait_seconds(); }
+
+  double clip_grad_norm(double max_norm) override {
+    if (ddp_->sharded()) return ddp_->clip_grad_norm(max_norm);
+    if (std::isinf(max_norm)) return global_grad_norm(params_);  // logged when clipping is off
+    return torch::nn::utils::clip_grad_norm_(params_, max_norm);
+  }
+
+  void after_step() override {
+    if (ddp_->sharded()) ddp_->after_step();  // all-gather the updated shards
+  }
+
+  void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, const std::string& kind,
+                       const fs::path&, Checkpoint& c) override {
+    auto state = optimizer_state(optimizer, kind, params_, names_);
+    // Sharded: the full optimizer state, gathered from every worker's shards (collective).
+    if (ddp_->sharded()) state = ddp_->full_optimizer_state(state);
+    if (pg_->rank() != 0) return;
+    c.model = workload.state_tensors();
+    c.optimizer = std::move(state);
+  }
+
+  void load_checkpoint(const std::string& dir, const Checkpoint& c, Workload& workload,
+                       torch::optim::Optimizer& optimizer, const std::string& kind) override {
+    if (is_zero3_checkpoint(dir)) {
+      fail("{} was written with distributed_backend zero3; resume with the same backend (or `replica "
+           "consolidate` it into a full model)",
+           dir);
+    }
+    workload.load_state_tensors(c.model, dir + "/" + workload.checkpoint_model_file());
+    // Checkpoints hold the full optimizer state; a sharded DDP takes its shards of it.
+    load_optimizer_state(optimizer, kind, params_, names_, ddp_->shard_optimizer_state(c.optimizer));
+    // Parameters shared by the workers of a host were loaded by each of them: all done
+    // before anyone steps.
+    if (ddp_->parameters_shared()) pg_->shared_barrier().wait();
+  }
+
+  std::string memory_report(int64_t optimizer_bytes) override {
+    int64_t param_bytes = 0, grad_bytes = 0;
+    for (auto& t : model_->parameters()) {
+      param_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+      if (t.requires_grad()) grad_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+    }
+    const char* kind = !ddp_->sharded()               ? ","
+                       : ddp_->parameters_shared() ? " (sharded optimizer), parameters shared by the host's workers,"
+                                                   : " (sharded optimizer),";
+    return fmt::format("rank {}: backend ddp{} per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
+                       "{:.1f} MiB optimizer = {:.1f} MiB; peak RSS {:.1f} MiB",
+                       pg_->rank(), kind, param_bytes / kMiB, grad_bytes / kMiB, optimizer_bytes / kMiB,
+                       (param_bytes + grad_bytes + optimizer_bytes) / kMiB, peak_rss_mib());
+  }
+
+ private:
+  std::shared_ptr<torch::nn::Module> model_;
+  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::unique_ptr<ddp::DistributedDataParallel> ddp_;
+};
+
+class Zero3Engine final : public ParallelEngine {
+ public:
+  Zero3Engine(const io::Params& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<dist::ProcessGroup> pg)
+      : model_(std::move(model)), pg_(std::move(pg)) {
+    zero::Zero3Options options;
+    options.stage3_prefetch_bucket_size = p.stage3_prefetch_bucket_size;
+    options.stage3_param_persistence_threshold = p.stage3_param_persistence_threshold;
+    options.stage3_max_live_parameters = p.stage3_max_live_parameters;
+    options.reduce_bucket_size = p.reduce_bucket_size;
+    options.overlap_comm = p.overlap_comm;
+    zero_ = std::make_unique<zero::Zero3>(model_, pg_, options);
+    params_ = zero_->shard_parameters();
+    names_ = zero_->shard_names();
+  }
+
+  // ZeRO-3 reduces each layer's gradients as backward leaves it; nothing to defer.
+  void backward(const torch::Tensor& loss, bool) override { loss.backward(); }
+  double clip_grad_norm(double max_norm) override { return zero_->clip_grad_norm(max_norm); }
+  void after_step() override { zero_->after_step(); }
+  // Workers may run different numbers of forwards in an evaluation, so nothing may be
+  // gathered per layer: the whole model is gathered for it.
+  void eval_begin() override { zero_->gather_all(); }
+  void eval_end() override { zero_->release_all(); }
+  void gather_full_model() override { zero_->gather_all(); }  // final/ is the full model
+
+  void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, const std::string& kind,
+                       const fs::path& staging, Checkpoint& c) override {
+    // Every worker writes its shard; rank 0 moves them into the checkpoint it writes.
+    zero::save_shards(staging.string(), *zero_, optimizer_state(optimizer, kind, params_, names_));
+    pg_->barrier();
+    if (pg_->rank() != 0) return;
+    c.model.clear();
+    c.optimizer.clear();
+    auto extras = c.extras;
+    c.extras = [extras, staging](const std::string& dir) {
+      if (extras) extras(dir);
+      fs::rename(staging, fs::path(dir) / "zero");
+    };
+  }
+
+  void load_checkpoint(const std::string& dir, const Checkpoint&, Workload&, torch::optim::Optimizer& optimizer,
+                       const std::string& kind) override {
+    if (!is_zero3_checkpoint(dir)) {
+      fail("{} was written with distributed_backend ddp; resume with the same backend", dir);
+    }
+    // Re-sharded when the checkpoint was written by another number of workers.
+    auto slice = zero::load_shards((fs::path(dir) / "zero").string(), pg_->rank(), pg_->size());
+    zero_->load_shards(slice.masters, dir + "/zero");
+    load_optimizer_state(optimizer, kind, params_, names_, slice.optimizer);
+    torch::NoGradGuard no_grad;
+    for (auto& [name, t] : slice.buffers) {
+      if (auto* b = model_->named_buffers().find(name)) b->copy_(t);
+    }
+  }
+
+  std::string memory_report(int64_t optimizer_bytes) override {
+    zero_->release_all();
+    const zero::MemoryStats m = zero_->memory();
+    const int64_t total = m.master_bytes + m.master_grad_bytes + optimizer_bytes + m.peak_gathered_bytes +
+                          m.peak_transient_grad_bytes;
+    return fmt::format("rank {}: backend zero3, per-worker model state: {:.1f} MiB master shards + {:.1f} MiB gradient "
+                       "shards + {:.1f} MiB optimizer shards + peak {:.1f} MiB gathered parameters + peak {:.1f} MiB "
+                       "transient gradients = {:.1f} MiB at most; peak RSS {:.1f} MiB",
+                       pg_->rank(), m.master_bytes / kMiB, m.master_grad_bytes / kMiB, optimizer_bytes / kMiB,
+                       m.peak_gathered_bytes / kMiB, m.peak_transient_grad_bytes / kMiB, total / kMiB,
+                       peak_rss_mib());
+  }
+
+ private:
+  std::shared_ptr<torch::nn::Module> model_;
+  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::unique_ptr<zero::Zero3> zero_;
+};
+
+}  // namespace
+
+std::unique_ptr<ParallelEngine> make_engine(const io::Params& params, std::shared_ptr<torch::nn::Module> model,
+                                            std::shared_ptr<dist::ProcessGroup> pg) {
+  if (params.distributed_backend == "zero3") return std::make_unique<Zero3Engine>(params, std::move(model), std::move(pg));
+  return std::make_unique<DdpEngine>(params, std::move(model), std::move(pg));
+}
+
+nlohmann::json engine_params_json(const io::Params& p) {
+  nlohmann::json j = nlohmann::json::object();
+  if (p.distributed_backend != "zero3") return j;
+  j["stage3_prefetch_bucket_size"] = p.stage3_prefetch_bucket_size;
+  j["stage3_param_persistence_threshold"] = p.stage3_param_persistence_threshold;
+  j["stage3_max_live_parameters"] = p.stage3_max_live_parameters;
+  j["reduce_bucket_size"] = p.reduce_bucket_size;
+  j["overlap_comm"] = p.overlap_comm;
+  return j;
+}
+
+}  // namespace replica::train

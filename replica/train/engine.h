@@ -1,0 +1,87 @@
+// The seam between the trainer and how a model is made data-parallel. An engine is applied
+// once, to the model (like torchtitan's parallelize step); after that the training loop asks
+// it for what to step and hands it each backward and each step, and never asks which engine
+// it is. Three engines sit behind it:
+//   ddp                      DistributedDataParallel: the model replicated, gradients
+//                            all-reduced in buckets during backward;
+//   ddp, sharded optimizer   the same, with each worker stepping 1/N of the parameters
+//                            (shard_optimizer, the default on one host), then an all-gather;
+//   zero3                    ZeRO-3: parameters, gradients and optimizer state sharded,
+//                            layers gathered around their forward and backward.
+// make_engine() is the one place that reads params.distributed_backend.
+#pragma once
+
+#include "replica/io/config.h"
+#include "replica/io/safetensors.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace replica::dist {
+class ProcessGroup;
+}
+
+namespace replica::train {
+
+class Workload;
+struct Checkpoint;
+
+class ParallelEngine {
+ public:
+  virtual ~ParallelEngine() = default;
+
+  // What the optimizer steps (the trainable parameters, or this worker's shards of them) and
+  // their names (for the optimizer state in checkpoints).
+  const std::vector<torch::Tensor>& parameters() const { return params_; }
+  const std::vector<std::string>& names() const { return names_; }
+
+  // loss.backward(); sync = false on the micro-steps before the last of a gradient
+  // accumulation group (gradients stay local where the engine can defer communication).
+  virtual void backward(const torch::Tensor& loss, bool sync) = 0;
+  // Seconds backward passes spent blocked on communication since the engine was made.
+  virtual double comm_wait_seconds() const { return 0; }
+  // The global gradient norm over every worker's gradients, clipped to max_norm (infinity:
+  // the norm only). Collective.
+  virtual double clip_grad_norm(double max_norm) = 0;
+  // After optimizer.step(): shards back into the model. Collective where sharded.
+  virtual void after_step() {}
+  // Around an evaluation, whose workers may run different numbers of forwards.
+  virtual void eval_begin() {}
+  virtual void eval_end() {}
+  // Before final/ is written: the whole model in place on every worker. Collective.
+  virtual void gather_full_model() {}
+
+  // A checkpoint's engine part. Collective: every worker calls it. `staging` is a directory
+  // (in the project) the engine may write this worker's shards into; on rank 0 `checkpoint`
+  // receives the model tensors, the optimizer state and the files to move into place.
+  virtual void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, const std::string& kind,
+                               const std::filesystem::path& staging, Checkpoint& checkpoint) = 0;
+  // Restores what save_checkpoint wrote into `dir` (the model through the workload, the
+  // optimizer state). replica::Error when `dir` was written by another kind of engine.
+  virtual void load_checkpoint(const std::string& dir, const Checkpoint& checkpoint, Workload& workload,
+                               torch::optim::Optimizer& optimizer, const std::string& kind) = 0;
+
+  // "rank R: backend ...: per-worker model state ...; peak RSS ..." for the end of a run.
+  virtual std::string memory_report(int64_t optimizer_bytes) = 0;
+
+ protected:
+  std::vector<torch::Tensor> params_;
+  std::vector<std::string> names_;
+};
+
+// The engine `params.distributed_backend` (and shard_optimizer, the ZeRO-3 knobs) asks for,
+// applied to `model` over `pg`.
+std::unique_ptr<ParallelEngine> make_engine(const io::Params& params, std::shared_ptr<torch::nn::Module> model,
+                                            std::shared_ptr<dist::ProcessGroup> pg);
+
+// The settings of that engine that training_params.json records beside the common ones
+// (ZeRO-3's stage3_* keys, reduce_bucket_size, overlap_comm; nothing for DDP).
+nlohmann::json engine_params_json(const io::Params& params);
+
+}  // namespace replica::train

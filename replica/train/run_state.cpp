@@ -1,0 +1,115 @@
+#include "replica/train/run_state.h"
+
+#include "replica/core/error.h"
+#include "replica/dist/process_group.h"
+#include "replica/train/engine.h"
+#include "replica/train/project_dir.h"
+#include "replica/train/workload.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <mutex>
+
+namespace fs = std::filesystem;
+
+namespace replica::train {
+
+int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg, int restart_count) {
+  int64_t decision = -1;  // -1: fresh start; >= 0: the checkpoint step
+  std::string error;
+  if (pg.rank() == 0) {
+    const fs::path project(config.project_name);
+    if (config.params.overwrite && restart_count == 0) {
+      // Only what a run wrote: a user's own files in the directory stay (project_dir.h).
+      const size_t removed = remove_run_outputs(project);
+      if (removed > 0) spdlog::info("--overwrite: removed {} entr{} of an earlier run from '{}'", removed,
+                                    removed == 1 ? "y" : "ies", config.project_name);
+    }
+    // errors/ alone (a run that failed before it wrote anything else, e.g. on a busy port)
+    // holds nothing a new run would replace or lose: it does not block a fresh start.
+    const auto outputs = run_outputs(project);
+    const bool only_errors = outputs.size() == 1 && outputs[0].filename() == "errors";
+    if (!outputs.empty() && !only_errors) {
+      std::vector<std::string> skipped;
+      auto latest = latest_checkpoint(config.project_name, &skipped);
+      if (latest) {
+        decision = latest->state.global_step;
+      } else if (!skipped.empty()) {
+        error = fmt::format("project '{}' has no usable checkpoint to resume from (unreadable: {}); "
+                            "use a new project_name or --overwrite for a fresh start",
+                            config.project_name, fmt::join(skipped, ", "));
+      } else if (restart_count == 0) {
+        // An earlier run's outputs but nothing to resume: starting over would replace its
+        // metrics.jsonl and config.yaml (PRODUCT.md: stop with an error naming them).
+        std::vector<std::string> names;
+        for (const auto& o : outputs) names.push_back(o.filename().string() + (fs::is_directory(o) ? "/" : ""));
+        error = fmt::format("project '{}' holds the outputs of an earlier run ({}) and no checkpoint to "
+                            "resume from; use a new project_name, or --overwrite to remove them and start over",
+                            config.project_name, fmt::join(names, ", "));
+      }
+    }
+  }
+  torch::Tensor t = torch::tensor({decision, static_cast<int64_t>(error.empty() ? 0 : 1)}, torch::kLong);
+  std::vector<torch::Tensor> msg{t};
+  pg.broadcast(msg, 0);
+  if (msg[0][1].item<int64_t>() != 0) {
+    if (pg.rank() == 0) fail("{}", error);
+    fail("rank {}: stopping: rank 0 found no usable checkpoint in '{}'", pg.rank(), config.project_name);
+  }
+  return msg[0][0].item<int64_t>();
+}
+
+TrainerState resume(const io::RunConfig& config, int64_t step, ParallelEngine& engine, Workload& workload,
+                    torch::optim::Optimizer& optimizer, dist::ProcessGroup& pg, int restart_count) {
+  const auto& p = config.params;
+  const std::string dir = (fs::path(config.project_name) / fmt::format("checkpoint-{}", step)).string();
+  Checkpoint ckpt = load_checkpoint(dir);
+  engine.load_checkpoint(dir, ckpt, workload, optimizer, p.optimizer);
+  TrainerState state = ckpt.state;
+  state.batch_size = p.batch_size;
+  const int64_t saved_batch = ckpt.state.batch_size > 0 ? ckpt.state.batch_size : p.batch_size;
+  if (state.world_size != pg.size() || saved_batch != p.batch_size) {
+    // The sampler's slices depend on the world size and batch: the position in the epoch is
+    // kept as a count of global samples, so a different world continues from the same place.
+    const int64_t samples_done = state.micro_step * saved_batch * state.world_size;
+    state.micro_step = samples_done / (static_cast<int64_t>(p.batch_size) * pg.size());
+    state.world_size = pg.size();
+  }
+  auto rng = std::find_if(ckpt.rng.begin(), ckpt.rng.end(), [](const auto& t) { return t.first == "cpu"; });
+  if (rng != ckpt.rng.end()) {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng->second);
+  }
+  workload.load_rng_state(ckpt.rng, dir + "/rng_state.safetensors");
+  if (pg.rank() == 0) {
+    spdlog::info("resuming from {} (step {}, epoch {}, micro-batch {}; REPLICA_RESTART_COUNT {})", dir,
+                 state.global_step, state.epoch, state.micro_step, restart_count);
+  }
+  return state;
+}
+
+void save_run_checkpoint(const io::RunConfig& config, const TrainerState& state, ParallelEngine& engine,
+                         Workload& workload, torch::optim::Optimizer& optimizer, dist::ProcessGroup& pg) {
+  Checkpoint c;
+  c.model_file = workload.checkpoint_model_file();
+  c.extras = [&](const std::string& dir) { workload.write_checkpoint_extras(dir); };
+  const fs::path staging = fs::path(config.project_name) / fmt::format(".zero-{}", state.global_step);
+  engine.save_checkpoint(workload, optimizer, config.params.optimizer, staging, c);
+  if (pg.rank() != 0) return;
+  c.state = state;
+  if (c.state.log_history.size() > 20) {
+    c.state.log_history.erase(c.state.log_history.begin(), c.state.log_history.end() - 20);
+  }
+  c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+  for (auto& t : workload.rng_state()) c.rng.push_back(std::move(t));
+  save_checkpoint(config.project_name, c, config.params.save_total_limit);
+}
+
+}  // namespace replica::train
