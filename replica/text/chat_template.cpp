@@ -1,6 +1,7 @@
 // Chat template API: built-in templates, the `chat_template:` resolver and the render entry
 // points over the Jinja interpreter in jinja.cpp.
 #include "replica/text/chat_template.h"
+#include "replica/core/files.h"
 
 #include <filesystem>
 #include <fstream>
@@ -78,19 +79,11 @@ std::string render_chat(const std::string& template_source,
 
 namespace {
 
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot read {}", path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 std::string template_from_config(const fs::path& config_path) {
   fs::path dir = config_path.parent_path();
   // Newer transformers save the template as chat_template.jinja, which wins on loading.
   fs::path jinja = dir / "chat_template.jinja";
-  if (!dir.empty() && fs::is_regular_file(jinja)) return read_text(jinja);
+  if (!dir.empty() && fs::is_regular_file(jinja)) return read_file(jinja.string());
   if (!fs::is_regular_file(config_path)) {
     fail("chat_template: tokenizer: {} not found (set chat_template to chatml, llama3 or none, "
          "or point the model path at a directory with tokenizer_config.json)",
@@ -98,7 +91,7 @@ std::string template_from_config(const fs::path& config_path) {
   }
   nlohmann::json cfg;
   try {
-    cfg = nlohmann::json::parse(read_text(config_path));
+    cfg = nlohmann::json::parse(read_file(config_path.string()));
   } catch (const nlohmann::json::exception& e) {
     fail("{}: not valid JSON: {}", config_path.string(), e.what());
   }
@@ -141,7 +134,7 @@ std::optional<std::string> token_string(const nlohmann::json& v) {
 
 nlohmann::json read_json_file(const fs::path& p) {
   try {
-    return nlohmann::json::parse(read_text(p));
+    return nlohmann::json::parse(read_file(p.string()));
   } catch (const nlohmann::json::exception& e) {
     fail("{}: not valid JSON: {}", p.string(), e.what());
   }
