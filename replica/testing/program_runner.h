@@ -16,9 +16,11 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <ostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -53,6 +55,30 @@ inline bool is_world_variable(const std::string& name) {
   return false;
 }
 
+// A file's bytes, for assertions about what a run wrote; "" when it cannot be read (the
+// assertion that follows then fails with the content it expected).
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+// A child's environment: this process's minus the distributed-job variables (so the child
+// is not mistaken for a worker of this job), one intra-op thread, plus `env`.
+inline std::vector<std::string> child_environment(const std::map<std::string, std::string>& env = {}) {
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e; ++e) {
+    std::string entry(*e);
+    const std::string name = entry.substr(0, entry.find('='));
+    if (is_world_variable(name) || env.count(name) || name == "OMP_NUM_THREADS") continue;
+    env_s.push_back(entry);
+  }
+  env_s.push_back("OMP_NUM_THREADS=1");
+  for (const auto& [k, v] : env) env_s.push_back(k + "=" + v);
+  return env_s;
+}
+
 // Runs `program args...` with the current environment (minus world variables) plus `env`.
 // Bounded by `limit`: on expiry the child's process group is killed and timed_out is set.
 // A non-empty `cwd` is the child's working directory (relative paths in `args` resolve there).
@@ -68,15 +94,7 @@ inline Result run_program(const std::string& program, const std::vector<std::str
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());
   argv.push_back(nullptr);
-  std::vector<std::string> env_s;
-  for (char** e = environ; *e; ++e) {
-    std::string entry(*e);
-    const std::string name = entry.substr(0, entry.find('='));
-    if (is_world_variable(name) || env.count(name) || name == "OMP_NUM_THREADS") continue;
-    env_s.push_back(entry);
-  }
-  env_s.push_back("OMP_NUM_THREADS=1");
-  for (const auto& [k, v] : env) env_s.push_back(k + "=" + v);
+  std::vector<std::string> env_s = child_environment(env);
   std::vector<char*> envp;
   for (auto& e : env_s) envp.push_back(e.data());
   envp.push_back(nullptr);

@@ -76,12 +76,7 @@ const std::vector<std::string> kSynopses = {
 // parts); fewer means a command stopped being found.
 constexpr size_t kMinReadmeCommands = 16;
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using replica::testing::read_file;
 
 std::string trim(const std::string& s) {
   const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");

@@ -53,12 +53,7 @@ Result replica(const std::vector<std::string>& args, const std::map<std::string,
   return run_program(REPLICA_BIN, args, env, limit);
 }
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using replica::testing::read_file;
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> lines;

@@ -41,12 +41,7 @@ using replica::testing::run_program;
 
 constexpr const char* kFashionMnist = "/usr/share/datasets/fashion-mnist";
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using replica::testing::read_file;
 
 int free_port() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);

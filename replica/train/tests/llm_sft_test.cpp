@@ -53,12 +53,7 @@ Result replica(const std::vector<std::string>& args, const std::string& stdin_te
   return replica::testing::run_program(REPLICA_BIN, args, {}, limit, stdin_text);
 }
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using replica::testing::read_file;
 
 std::vector<json> metrics_of(const fs::path& project) {
   std::vector<json> out;

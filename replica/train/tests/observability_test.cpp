@@ -31,12 +31,7 @@ constexpr const char* kFashionMnist = "/usr/share/datasets/fashion-mnist";
 using replica::testing::Result;
 using replica::testing::run_program;
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using replica::testing::read_file;
 
 std::vector<nlohmann::json> metrics_of(const fs::path& project) {
   std::vector<nlohmann::json> out;
@@ -56,14 +51,7 @@ std::pair<int, std::string> run_in_terminal(const std::vector<std::string>& args
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());
   argv.push_back(nullptr);
-  std::vector<std::string> env_s;
-  for (char** e = environ; *e; ++e) {
-    const std::string entry(*e);
-    const std::string name = entry.substr(0, entry.find('='));
-    if (replica::testing::is_world_variable(name) || name == "OMP_NUM_THREADS") continue;
-    env_s.push_back(entry);
-  }
-  env_s.push_back("OMP_NUM_THREADS=1");
+  std::vector<std::string> env_s = replica::testing::child_environment();
   std::vector<char*> envp;
   for (auto& e : env_s) envp.push_back(e.data());
   envp.push_back(nullptr);
