@@ -366,3 +366,47 @@ TEST_F(DocsExamples, EveryReadmeCommandAndExampleRunsUnderFp32AndBf16AtWorld1And
 }
 
 }  // namespace
+
+// docs/cli.md says it covers every command and flag: every long option that `--help` of each
+// command lists is written there. And no page points at files a clone does not have.
+TEST(DocsPages, CliMdNamesEveryFlagOfEveryCommand) {
+  const std::string cli = read_file(kSource / "docs" / "cli.md");
+  ASSERT_FALSE(cli.empty());
+  const std::vector<std::vector<std::string>> commands = {
+      {},        {"launch"},      {"env"},   {"bench", "allreduce"}, {"llm"},     {"llm", "init-demo"},
+      {"tokenize"}, {"merge-adapter"}, {"mds", "synthetic"}, {"mds", "convert"}, {"consolidate"}, {"plot"}};
+  const std::regex flag(R"((^|[\s,\[])(--[a-z][a-z0-9-]*))");
+  int checked = 0;
+  for (const auto& command : commands) {
+    std::vector<std::string> args = command;
+    args.push_back("--help");
+    const Result r = replica::testing::run_program(REPLICA_BIN, args);
+    ASSERT_EQ(r.exit_code, 0) << r;
+    for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), flag); it != std::sregex_iterator(); ++it) {
+      const std::string name = (*it)[2].str();
+      if (name == "--help" || name == "--x-y") continue;
+      EXPECT_NE(cli.find(name), std::string::npos) << "docs/cli.md does not mention " << name << " of `replica "
+                                                   << join(command) << "`";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 60);
+}
+
+TEST(DocsPages, NoLinkToFilesOutsideTheRepositoryAndNoStaleStore) {
+  std::vector<fs::path> pages = {kSource / "README.md"};
+  for (const auto& e : fs::directory_iterator(kSource / "docs")) {
+    if (e.path().extension() == ".md") pages.push_back(e.path());
+  }
+  for (const auto& page : pages) {
+    const std::string text = read_file(page);
+    EXPECT_EQ(text.find("PRODUCT.md"), std::string::npos) << page << " links to PRODUCT.md, which is not in a clone";
+    EXPECT_EQ(text.find("../shared"), std::string::npos) << page << " points into ../shared, which is not in a clone";
+    // The rendezvous store is replica's locked store; c10d's TCPStore is named only to say so.
+    for (size_t at = text.find("TCPStore"); at != std::string::npos; at = text.find("TCPStore", at + 1)) {
+      const std::string before = text.substr(at >= 40 ? at - 40 : 0, std::min<size_t>(at, 40));
+      EXPECT_TRUE(before.find("not c10d") != std::string::npos || before.find("instead of") != std::string::npos)
+          << page << ": ..." << text.substr(at >= 40 ? at - 40 : 0, 120);
+    }
+  }
+}
