@@ -1,6 +1,7 @@
 // Jinja interpreter: UTF-8 with Python's surrogateescape, Python's character classes and
 // case mapping, repr() of floats and strings. See jinja_impl.h.
 #include "replica/text/jinja_impl.h"
+#include "replica/text/tokenizer_impl.h"
 
 #include <charconv>
 #include <cmath>
@@ -19,20 +20,8 @@ namespace replica::text::detail::jinja {
 void append_utf8(std::string& out, char32_t c) {
   if (c >= 0xDC80 && c <= 0xDCFF) {
     out.push_back(static_cast<char>(c - 0xDC00));
-  } else if (c < 0x80) {
-    out.push_back(static_cast<char>(c));
-  } else if (c < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (c >> 6)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else if (c < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (c >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
   } else {
-    out.push_back(static_cast<char>(0xF0 | (c >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+    detail::append_utf8(out, c);  // the tokenizer's encoder (unicode.cpp)
   }
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "replica/text/tokenizer_impl.h"
+#include "replica/testing/program_runner.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -25,12 +26,7 @@ std::string quote(const std::string& s) {
   return out + "'";
 }
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using replica::testing::read_file;
 
 struct CliRun {
   int exit_code = -1;

@@ -21,6 +21,7 @@
 #include "replica/testing/referee.h"
 #include "replica/text/tests/vocab.h"
 #include "replica/text/tokenizer.h"
+#include "replica/testing/program_runner.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -31,12 +32,7 @@ namespace {
 
 const fs::path kDir = vocab::conformance_dir();
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using replica::testing::read_file;
 
 const json& spec() {
   static const json j = json::parse(read_file(kDir / "variants.json"));
