@@ -1,8 +1,8 @@
 // MDS (Mosaic Streaming format v2) writer and reader; the layout is documented in mds.h.
 #include "replica/data/mds.h"
-#include "replica/core/files.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
 #include "replica/data/records.h"
 
 #include <fcntl.h>

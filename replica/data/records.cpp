@@ -1,7 +1,7 @@
 #include "replica/data/records.h"
-#include "replica/core/files.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
 
 #include <filesystem>
 #include <fstream>

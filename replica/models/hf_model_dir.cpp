@@ -1,7 +1,7 @@
 #include "replica/models/hf_model_dir.h"
-#include "replica/core/files.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
 #include "replica/io/files.h"
 
 #include <ATen/CPUGeneratorImpl.h>

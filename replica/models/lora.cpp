@@ -1,9 +1,9 @@
 // LoRA as PEFT implements it (peft/tuners/lora/layer.py: Linear.update_layer, forward,
 // get_delta_weight, merge), and PEFT's adapter directory layout.
 #include "replica/models/lora.h"
-#include "replica/core/files.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
 #include "replica/io/files.h"
 
 #include <nlohmann/json.hpp>

@@ -1,6 +1,7 @@
 // Chat template API: built-in templates, the `chat_template:` resolver and the render entry
 // points over the Jinja interpreter in jinja_*.cpp (jinja_impl.h).
 #include "replica/text/chat_template.h"
+
 #include "replica/core/files.h"
 
 #include <filesystem>

@@ -82,18 +82,21 @@ std::string py_title(const std::string& s) {
   return out;
 }
 
+// A start/end argument of str.find, startswith, ... as Python clamps it into [0, len] (None:
+// `dflt`; negative: counted from the end).
+int64_t slice_bound(const Value* v, int64_t dflt, int64_t len) {
+  if (!v || v->k == VK::None) return dflt;
+  int64_t x = need_int(*v, "slice index");
+  if (x < 0) x = std::max<int64_t>(0, x + len);
+  return std::min(x, len);
+}
+
 int64_t py_find(const std::string& s, const std::string& sub, const Value* start, const Value* end,
                 bool reverse) {
   std::u32string d = decode_utf8(s);
   std::u32string needle = decode_utf8(sub);
   int64_t len = static_cast<int64_t>(d.size());
-  auto norm = [&](const Value* v, int64_t dflt) {
-    if (!v || v->k == VK::None) return dflt;
-    int64_t x = need_int(*v, "slice index");
-    if (x < 0) x = std::max<int64_t>(0, x + len);
-    return std::min(x, len);
-  };
-  int64_t a = norm(start, 0), b = norm(end, len);
+  int64_t a = slice_bound(start, 0, len), b = slice_bound(end, len, len);
   if (b - a < static_cast<int64_t>(needle.size())) return -1;
   std::u32string_view hay(d.data() + a, static_cast<size_t>(b - a));
   size_t f = reverse ? hay.rfind(needle) : hay.find(needle);
@@ -362,13 +365,7 @@ bool starts_or_ends(const std::string& s, const Value& arg, bool ends, const Val
   if ((start && start->k != VK::None) || (end && end->k != VK::None)) {
     std::u32string d = decode_utf8(s);
     int64_t len = static_cast<int64_t>(d.size());
-    auto norm = [&](const Value* v, int64_t dflt) {
-      if (!v || v->k == VK::None) return dflt;
-      int64_t x = need_int(*v, "slice index");
-      if (x < 0) x = std::max<int64_t>(0, x + len);
-      return std::min(x, len);
-    };
-    int64_t a = norm(start, 0), b = norm(end, len);
+    int64_t a = slice_bound(start, 0, len), b = slice_bound(end, len, len);
     if (a > b) return false;
     view = encode_utf8(d.data() + a, d.data() + b);
   }

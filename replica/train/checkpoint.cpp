@@ -1,7 +1,7 @@
 #include "replica/train/checkpoint.h"
-#include "replica/core/files.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
 #include "replica/io/files.h"
 #include "replica/models/lora.h"
 #include "replica/zero/checkpoint.h"
@@ -14,7 +14,6 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
-#include <sstream>
 
 namespace fs = std::filesystem;
 
@@ -163,7 +162,8 @@ std::vector<std::string> consolidate_checkpoint(const std::string& checkpoint_di
   io::NamedTensors tensors = zero::consolidate(zero_dir.string());
   std::vector<std::string> written{out_path};
   const fs::path adapter_config = dir / "adapter_config.json";
-  if (fs::exists(adapter_config)) {
+  const bool lora = fs::exists(adapter_config);
+  if (lora) {
     // A LoRA run: the base is frozen and unchanged; what it trained is the adapter.
     io::NamedTensors adapter;
     for (auto& [name, t] : tensors) {
@@ -178,12 +178,9 @@ std::vector<std::string> consolidate_checkpoint(const std::string& checkpoint_di
   fs::create_directories(out_dir, ec);
   if (ec) fail("consolidate: cannot create the directory of OUT '{}': {}", out_dir.string(), ec.message());
   io::save_safetensors(out_path, tensors, {{"format", "pt"}});
-  if (fs::exists(adapter_config)) {
-    const fs::path beside = fs::absolute(out_path).parent_path() / "adapter_config.json";
-    if (!fs::exists(beside)) {
-      copy_file_atomically(adapter_config.string(), beside.string());
-      written.push_back(beside.string());
-    }
+  if (lora && !fs::exists(out_dir / "adapter_config.json")) {
+    copy_file_atomically(adapter_config.string(), (out_dir / "adapter_config.json").string());
+    written.push_back((out_dir / "adapter_config.json").string());
   }
   return written;
 }

@@ -1,9 +1,9 @@
 // LLM supervised fine-tuning: records -> samples -> packed rows -> the Llama model, with or
 // without LoRA (see llm_sft.h).
 #include "replica/train/llm_sft.h"
-#include "replica/core/files.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
 #include "replica/data/records.h"
 #include "replica/dist/world.h"
 #include "replica/io/files.h"

@@ -66,15 +66,19 @@ void fused_sgd_update(float* p, const float* g, float* b, int64_t n, float lr, f
   });
 }
 
+// The closure's loss (undefined without one), evaluated with gradients on, as LibTorch's own
+// optimizers run it before their step.
+torch::Tensor closure_loss(const torch::optim::Optimizer::LossClosure& closure) {
+  if (closure == nullptr) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
 }  // namespace
 
 torch::Tensor FusedSGD::step(LossClosure closure) {
+  const torch::Tensor loss = closure_loss(closure);
   torch::NoGradGuard no_grad;
-  torch::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const torch::optim::SGDOptions&>(group.options());
     const auto lr = static_cast<float>(options.lr());
@@ -127,16 +131,12 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
+  const torch::Tensor loss = closure_loss(closure);
   torch::NoGradGuard no_grad;
-  torch::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
   // LibTorch's step for all parameters (the closure has run already).
-  const auto unfused_step = [this](const torch::Tensor& closure_loss) {
+  const auto unfused_step = [this, &loss] {
     torch::optim::AdamW::step(nullptr);
-    return closure_loss;
+    return loss;
   };
   // First pass: create missing state as torch::optim::AdamW::step does, and check that every
   // parameter with a gradient can go through the fused kernel.
@@ -148,7 +148,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       const bool plain = !g.is_sparse() && g.scalar_type() == p.scalar_type() && g.device() == p.device() &&
                          p.is_contiguous() && g.is_contiguous() && at::isFloatingType(p.scalar_type()) &&
                          (p.device().is_cpu() || p.device().is_cuda());
-      if (!plain) return unfused_step(loss);
+      if (!plain) return unfused_step();
       auto it = state_.find(p.unsafeGetTensorImpl());
       if (it == state_.end()) {
         auto state = std::make_unique<torch::optim::AdamWParamState>();
@@ -164,7 +164,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         if (t == &s.max_exp_avg_sq() && !options.amsgrad()) continue;
         if (!t->defined() || t->scalar_type() != p.scalar_type() || t->device() != p.device() ||
             !t->is_contiguous() || t->sizes() != p.sizes()) {
-          return unfused_step(loss);
+          return unfused_step();
         }
       }
     }

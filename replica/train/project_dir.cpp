@@ -1,7 +1,7 @@
 #include "replica/train/project_dir.h"
-#include "replica/core/files.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
 
 #include <algorithm>
 #include <array>

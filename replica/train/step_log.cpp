@@ -161,10 +161,6 @@ nlohmann::json StepLog::evaluation(int64_t step, double epoch, const EvalSums& s
   return j;
 }
 
-void StepLog::line(const std::string& text) {
-  if (progress_) progress_->line(text);
-}
-
 void StepLog::finish() {
   if (progress_) progress_->finish();
 }

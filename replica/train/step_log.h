@@ -49,8 +49,6 @@ class StepLog {
   // An evaluation's sums from this worker (collective). Rank 0 writes them and returns the
   // metrics line (for trainer_state.json's log_history); others return null.
   nlohmann::json evaluation(int64_t step, double epoch, const EvalSums& local);
-  // A line above the bar (rank 0).
-  void line(const std::string& text);
   // Leaves the bar's last state on screen (rank 0; idempotent).
   void finish();
 

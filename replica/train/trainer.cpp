@@ -35,8 +35,6 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-void write_file(const fs::path& path, const std::string& text) { write_file_atomically(path.string(), text); }
-
 nlohmann::json params_json(const io::RunConfig& c) {
   const auto& p = c.params;
   nlohmann::json j = {
@@ -114,7 +112,7 @@ void write_timeline(dist::ProcessGroup& pg, const std::string& file) {
   if (pg.rank() != 0) return;
   const fs::path path(file);
   if (path.has_parent_path()) fs::create_directories(path.parent_path());
-  write_file(path, obs::merge_chrome_trace(ranks));
+  write_file_atomically(path.string(), obs::merge_chrome_trace(ranks));
   spdlog::info("timeline: {} (open in ui.perfetto.dev or chrome://tracing)", file);
 }
 
@@ -365,8 +363,8 @@ int run_worker(const io::RunConfig& config) {
   const fs::path project(config.project_name);
   if (main) {
     fs::create_directories(project);
-    write_file(project / "config.yaml", io::to_yaml(config));
-    write_file(project / "training_params.json", params_json(config).dump(2) + "\n");
+    write_file_atomically((project / "config.yaml").string(), io::to_yaml(config));
+    write_file_atomically((project / "training_params.json").string(), params_json(config).dump(2) + "\n");
   }
   const auto run_start = Clock::now();
   Loop loop(config, *pg, *workload, *engine, *optimizer, state, start);
