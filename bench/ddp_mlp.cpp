@@ -6,7 +6,7 @@
 #include "replica/core/system.h"
 #include "replica/data/fashion_mnist.h"
 #include "replica/ddp/ddp.h"
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 #include "replica/models/fused_linear.h"
 #include "replica/train/optim.h"
 
@@ -41,8 +41,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   replica::set_compute_threads(threads);
   replica::keep_freed_memory_in_process();
-  auto world = replica::dist::world_from_env().value_or(replica::dist::WorldInfo{});
-  auto pg = replica::dist::init_process_group(world);
+  auto world = replica::distributed::world_from_env().value_or(replica::distributed::WorldInfo{});
+  auto pg = replica::distributed::init_process_group(world);
   const int rank = pg->rank(), size = pg->size();
 
   auto data = replica::data::load_fashion_mnist(replica::data::kFashionMnistDir, "train");

@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   // The trainer's AdamW (replica::train::FusedAdamW), with torch.optim.AdamW's default weight
   // decay as on the PyTorch side.
   replica::train::OptimizerSpec spec;
-  spec.name = "adamw";
+  spec.kind = replica::train::OptimizerKind::AdamW;
   spec.lr = 1e-4;
   spec.weight_decay = 0.01;
   auto optimizer = replica::train::make_optimizer(spec, model->parameters());

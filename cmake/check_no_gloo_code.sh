@@ -1,5 +1,5 @@
 #!/bin/sh
-# CTest NoGlooCodeOfOurOwn (see Note [Gloo's headers] in replica/dist/c10d_compat.cpp):
+# CTest NoGlooCodeOfOurOwn (see Note [Gloo's headers] in replica/distributed/c10d_compat.cpp):
 # replica compiles ProcessGroupGloo.hpp against Debian's Gloo headers, which are an older Gloo
 # than the one inside libtorch_cpu.so. That is sound only while replica's objects define no
 # Gloo code of their own (inline Gloo functions, GlooStore's vtable) that could interpose

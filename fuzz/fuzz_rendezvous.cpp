@@ -1,12 +1,12 @@
-// The rendezvous server's message parser (replica/dist/store.h Session): bytes from the
+// The rendezvous server's message parser (replica/distributed/store.h Session): bytes from the
 // network before and after the HMAC handshake. Input byte 0: bit 0 set = send a valid proof
 // first (so the command parser is reached); byte 1 = where to split the rest into two reads.
 #include "replica/core/error.h"
-#include "replica/dist/store.h"
+#include "replica/distributed/store.h"
 
 #include <cstring>
 
-using namespace replica::dist::rdzv;
+using namespace replica::distributed::rdzv;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config zstd
-  libgloo-dev          # Gloo's headers, for ProcessGroupGloo.hpp only (see replica/dist/c10d_compat.cpp)
+  libgloo-dev          # Gloo's headers, for ProcessGroupGloo.hpp only (see replica/distributed/c10d_compat.cpp)
   libopenblas0-pthread                            # BLAS for the data tools
   dataset-fashion-mnist                           # the default data set of the demo
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libfmt-dev libspdlog-dev zlib1g-dev

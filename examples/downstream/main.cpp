@@ -6,8 +6,8 @@
 // gradients, and at the end every rank checks that all replicas hold the same weights and
 // that the loss fell. Exit code 0 means both held.
 #include <replica/ddp/ddp.h>
-#include <replica/dist/process_group.h>
-#include <replica/dist/world.h>
+#include <replica/distributed/process_group.h>
+#include <replica/distributed/world.h>
 
 #include <torch/torch.h>
 
@@ -24,8 +24,8 @@ struct RegressorImpl : torch::nn::Module {
 TORCH_MODULE(Regressor);
 
 int main() {
-  const auto world = replica::dist::world_from_env().value_or(replica::dist::WorldInfo{});
-  auto pg = replica::dist::init_process_group(world, replica::dist::ProcessGroupOptions{});
+  const auto world = replica::distributed::world_from_env().value_or(replica::distributed::WorldInfo{});
+  auto pg = replica::distributed::init_process_group(world, replica::distributed::ProcessGroupOptions{});
   const int rank = pg->rank();
 
   torch::manual_seed(100 + rank);  // different initial weights: DDP starts every rank from rank 0's

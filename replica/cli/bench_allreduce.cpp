@@ -1,7 +1,7 @@
 #include "replica/cli/bench_allreduce.h"
 
 #include "replica/core/error.h"
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 
 #include <torch/torch.h>
 
@@ -12,13 +12,13 @@
 namespace replica::cli {
 
 int bench_allreduce_worker(const BenchAllreduceOptions& options) {
-  auto world = dist::world_from_env().value_or(dist::WorldInfo{});
+  auto world = distributed::world_from_env().value_or(distributed::WorldInfo{});
   torch::set_num_threads(1);
   const torch::ScalarType dtype = options.dtype == "bfloat16" ? torch::kBFloat16
                                   : options.dtype == "float16" ? torch::kHalf
                                                                : torch::kFloat32;
   const int64_t elem = torch::elementSize(dtype);
-  auto pg = dist::init_process_group(world);
+  auto pg = distributed::init_process_group(world);
   for (const auto& transport : options.transports) {
     try {
       pg->set_transport(transport);

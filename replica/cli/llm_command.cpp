@@ -2,7 +2,7 @@
 //
 // `replica llm` takes AutoTrain's flags (autotrain llm --train --model ... --data-path ...
 // --project-name ... --trainer sft --peft ...): each is the twin of a YAML key of
-// task llm-sft, set through io::set_param (the same types, aliases and checks as the
+// task llm-sft, set through train::set_param (the same types, aliases and checks as the
 // file), so `replica llm` and `replica --config` runs are the same runs.
 #include "replica/cli/llm_command.h"
 
@@ -15,7 +15,6 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -28,11 +27,8 @@ namespace fs = std::filesystem;
 namespace replica::cli {
 namespace {
 
-// Flags that are not `params:` keys.
-const std::vector<std::string> kTopFlags = {
-    "model",        "project_name",  "data_path",     "train_split",       "valid_split", "log",
-    "backend",      "text_column",   "chat_template", "messages_column",   "prompt_column",
-    "completion_column", "adapter",  "train",         "eval",              "help"};
+// The command's own flags; every other flag is the run's (train::set_flag).
+const std::vector<std::string> kCommandFlags = {"adapter", "train", "eval", "help"};
 
 // AutoTrain flags that have no meaning here, with what to say. (A flag given its AutoTrain
 // default is accepted silently.)
@@ -57,26 +53,16 @@ const std::vector<Unsupported>& unsupported_flags() {
   return u;
 }
 
-// The `params:` keys of task llm-sft and whether each is a switch (true/false).
-const std::map<std::string, bool>& param_flags() {
-  static const std::map<std::string, bool> flags = [] {
-    std::map<std::string, bool> out;
-    const YAML::Node root = YAML::Load(io::to_yaml(io::default_config("llm-sft")));
-    for (const auto& item : root["params"]) {
-      const std::string value = item.second.IsScalar() ? item.second.Scalar() : "";
-      out[item.first.Scalar()] = value == "true" || value == "false";
-    }
-    out["token"] = false;  // a secret: never written out, but a valid key
-    return out;
-  }();
-  return flags;
+const Unsupported* find_unsupported(const std::string& name) {
+  for (const auto& u : unsupported_flags()) {
+    if (name == u.name) return &u;
+  }
+  return nullptr;
 }
 
 bool is_switch(const std::string& name) {
-  static const std::set<std::string> top = {"train", "eval", "help", "push_to_hub", "auto_find_batch_size"};
-  if (top.count(name)) return true;
-  auto it = param_flags().find(name);
-  return it != param_flags().end() && it->second;
+  static const std::set<std::string> own = {"train", "eval", "help", "push_to_hub", "auto_find_batch_size"};
+  return own.count(name) > 0 || train::is_switch_key(train::Task::LlmSft, name);
 }
 
 bool is_bool_literal(std::string v) {
@@ -94,41 +80,29 @@ std::string dashed(std::string name) {
   return "--" + name;
 }
 
-std::vector<std::string> all_flag_names() {
-  std::vector<std::string> names = kTopFlags;
-  for (const auto& [name, sw] : param_flags()) names.push_back(name);
-  for (const auto& u : unsupported_flags()) names.push_back(u.name);
-  return names;
-}
-
-const char* kLlmHelp = R"(replica llm: fine-tune (SFT) or evaluate a Llama-family model, AutoTrain-style
+// The flags that are not params: keys come first, by hand; every params: key of task llm-sft
+// follows, from its key table.
+const char* kLlmUsage = R"(replica llm: fine-tune (SFT) or evaluate a Llama-family model, AutoTrain-style
 
   replica llm --train --model DIR --data-path PATH --project-name OUT --trainer sft [--peft] [flags]
   replica llm --eval --model DIR --data-path PATH [--adapter DIR] [flags]   # prints eval_loss
   replica llm init-demo DIR          # a small model, tokenizer and data set to try it on
 
 Data and model (defaults in brackets):
-  --model DIR                 Hugging Face model directory (config.json, model*.safetensors,
-                              tokenizer.json or tokenizer.model, tokenizer_config.json)
-  --data-path PATH            a .jsonl/.csv file, or a directory with <train-split>.jsonl/.csv
-  --project-name OUT          the run's directory (checkpoints, metrics, final/)
-  --train-split [train], --valid-split [none]
-  --text-column [text], --messages-column, --prompt-column + --completion-column
-  --chat-template [tokenizer] tokenizer | chatml | llama3 | none
-  --model-max-length [2048]   truncation; --block-size [-1 = model_max_length]: packed row length
-  --add-eos-token [true]
-Training (AutoTrain's LLMTrainingParams names and defaults):
-  --trainer [sft]  --peft [false]  --lora-r [16]  --lora-alpha [32]  --lora-dropout [0.05]
-  --target-modules [all-linear] (or a list: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)
-  --merge-adapter [false]  --lr [3e-5]  --epochs [1]  --max-steps [-1]  --batch-size [2] (per worker)
-  --gradient-accumulation [4]  --mixed-precision [fp32] (fp32 | bf16)  --optimizer [adamw]
-  --scheduler [linear] (linear | cosine | constant)  --warmup-ratio [0.1]  --weight-decay [0]
-  --max-grad-norm [1]  --seed [42]  --logging-steps [10]  --save-total-limit [1]
-  --checkpoint-every [500]  --log [jsonl] (none | jsonl | tensorboard)  --overwrite
-Workers:
-  --nproc-per-node [auto]  --distributed-backend [ddp] (ddp | zero3 | deepspeed)  --master-addr  --master-port
-  --threads-per-worker [0 = cores / workers]  --max-restarts [0]
-Every params: key of the llm-sft YAML is a flag; --x-y and --x_y are the same flag.
+  --model DIR                            Hugging Face model directory (config.json, model*.safetensors,
+                                         tokenizer.json or tokenizer.model, tokenizer_config.json)
+  --data-path PATH                       a .jsonl/.csv file, or a directory with <train-split>.jsonl/.csv
+  --project-name OUT                     the run's directory (checkpoints, metrics, final/)
+  --train-split NAME                     [train]
+  --valid-split NAME                     [none: no evaluation]
+  --messages-column NAME, --prompt-column NAME, --completion-column NAME
+                                         the columns of chats, or of prompt + completion pairs
+  --log none|jsonl|tensorboard           [jsonl]
+  --backend local                        [local]
+  --adapter DIR                          --eval: a PEFT adapter over --model
+)";
+
+const char* kLlmFooter = R"(Every params: key of the llm-sft YAML is a flag; --x-y and --x_y are the same flag.
 --quantization int4/int8 (bitsandbytes, CUDA) is not available.
 )";
 
@@ -136,8 +110,8 @@ Every params: key of the llm-sft YAML is a flag; --x-y and --x_y are the same fl
 
 LlmArgs parse_llm_args(const std::vector<std::string>& args) {
   LlmArgs out;
-  io::RunConfig& c = out.config;
-  c = io::default_config("llm-sft");
+  train::RunConfig& c = out.config;
+  c = train::default_config(train::Task::LlmSft);
   c.source = "";
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -157,11 +131,12 @@ LlmArgs parse_llm_args(const std::vector<std::string>& args) {
     }
     const std::string given = name;
     std::replace(name.begin(), name.end(), '-', '_');
-    const auto names = all_flag_names();
-    if (std::find(names.begin(), names.end(), name) == names.end()) {
-      const std::string suggestion = io::did_you_mean(name, names);
-      fail("replica llm: unknown flag --{}{}", given,
-           suggestion.empty() ? "" : fmt::format(" (did you mean {}?)", dashed(suggestion)));
+    const bool own = std::find(kCommandFlags.begin(), kCommandFlags.end(), name) != kCommandFlags.end();
+    const Unsupported* unsupported = find_unsupported(name);
+    if (!own && unsupported == nullptr && !train::is_flag(train::Task::LlmSft, name)) {
+      std::vector<std::string> others = kCommandFlags;
+      for (const auto& u : unsupported_flags()) others.push_back(u.name);
+      fail("replica llm: {}", train::unknown_flag_message(train::Task::LlmSft, given, others));
     }
     if (!has_value) {
       const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
@@ -186,40 +161,17 @@ LlmArgs parse_llm_args(const std::vector<std::string>& args) {
       out.eval = truthy(value);
     } else if (name == "adapter") {
       out.adapter = value;
-    } else if (name == "model") {
-      c.base_model = value;
-    } else if (name == "project_name") {
-      c.project_name = value;
-    } else if (name == "data_path") {
-      c.data.path = value;
-    } else if (name == "train_split") {
-      c.data.train_split = value;
-    } else if (name == "valid_split") {
-      if (value == "null" || value == "none" || value.empty()) {
-        c.data.valid_split.reset();
-      } else {
-        c.data.valid_split = value;
-      }
-    } else if (name == "log") {
-      c.log = value;
-    } else if (name == "backend") {
-      c.backend = value;
-    } else if (name == "messages_column" || name == "prompt_column" || name == "completion_column") {
-      c.data.column_mapping[name] = value;
-    } else if (const auto u = std::find_if(unsupported_flags().begin(), unsupported_flags().end(),
-                                           [&](const Unsupported& x) { return name == x.name; });
-               u != unsupported_flags().end()) {
+    } else if (unsupported != nullptr) {
       std::string v = value;
       std::transform(v.begin(), v.end(), v.begin(), [](unsigned char ch) { return std::tolower(ch); });
-      if (*u->accepted == '\0' || v != u->accepted) {
-        fail("replica llm: {} {} is not available: {}", dashed(name), value, u->why);
+      if (*unsupported->accepted == '\0' || v != unsupported->accepted) {
+        fail("replica llm: {} {} is not available: {}", dashed(name), value, unsupported->why);
       }
     } else {
-      // text_column, chat_template and every params: key.
       try {
-        io::set_param(c, name, value);
+        train::set_flag(c, given, value);
       } catch (const Error& e) {
-        fail("replica llm: {} {}: {}", dashed(name), value, e.what());
+        fail("replica llm: {}", e.what());
       }
     }
   }
@@ -245,10 +197,11 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
   }
   LlmArgs parsed = parse_llm_args(args);
   if (parsed.help || args.empty()) {
-    std::cout << kLlmHelp;
+    std::cout << kLlmUsage << "Training (AutoTrain's LLMTrainingParams names and defaults):\n"
+              << train::keys_help(train::Task::LlmSft) << kLlmFooter;
     return 0;
   }
-  io::RunConfig& c = parsed.config;
+  train::RunConfig& c = parsed.config;
   if (parsed.train == parsed.eval) {
     fail("replica llm: give one of --train or --eval (see replica llm --help)");
   }
@@ -268,7 +221,7 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
   }
   if (!parsed.adapter.empty()) fail("replica llm: --adapter is for --eval");
   if (c.project_name.empty()) fail("replica llm --train: --project-name OUT is required");
-  io::validate_config(c);
+  train::validate_config(c);
   return train::run(c, self_argv);
 }
 

@@ -1,7 +1,7 @@
 // `replica llm`, `replica tokenize` and `replica merge-adapter`.
 #pragma once
 
-#include "replica/io/config.h"
+#include "replica/train/run_config.h"
 
 #include <string>
 #include <vector>
@@ -21,7 +21,7 @@ struct LlmArgs {
   bool eval = false;
   bool help = false;
   std::string adapter;
-  io::RunConfig config;
+  train::RunConfig config;
 };
 LlmArgs parse_llm_args(const std::vector<std::string>& args);
 

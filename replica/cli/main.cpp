@@ -3,19 +3,18 @@
 #include "replica/cli/env_report.h"
 #include "replica/cli/llm_command.h"
 #include "replica/cli/mds_command.h"
-#include "replica/dist/world.h"
+#include "replica/distributed/world.h"
 #include "replica/core/error.h"
 #include "replica/core/system.h"
-#include "replica/io/config.h"
 #include "replica/launch/launcher.h"
 #include "replica/obs/plot.h"
+#include "replica/train/run_config.h"
 #include "replica/train/trainer.h"
 #include "replica/train/checkpoint.h"
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
-#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -28,18 +27,9 @@
 namespace {
 
 // `replica --config run.yaml --max-steps 20 --project-name out/x`: every flag has a YAML twin;
-// here flags after --config override the file (params: keys unless they are top-level ones).
-replica::io::RunConfig config_with_overrides(const std::string& path, const std::vector<std::string>& extras) {
-  if (extras.empty()) return replica::io::load_config(path);
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    replica::fail("config file '{}' cannot be read", path);
-  } catch (const YAML::Exception& e) {
-    replica::fail("{}:{}: {}", path, e.mark.line + 1, e.msg);
-  }
-  static const std::set<std::string> top = {"task", "backend", "base_model", "model", "project_name", "log"};
+// flags after --config are applied over the file (train::load_config).
+replica::train::RunConfig config_with_flags(const std::string& path, const std::vector<std::string>& extras) {
+  std::vector<std::pair<std::string, std::string>> flags;
   for (size_t i = 0; i < extras.size(); ++i) {
     std::string arg = extras[i];
     if (arg.rfind("--", 0) != 0) replica::fail("unexpected argument '{}' (flags look like --batch-size 32)", arg);
@@ -53,16 +43,9 @@ replica::io::RunConfig config_with_overrides(const std::string& path, const std:
     } else {
       value = "true";  // a bare switch such as --overwrite
     }
-    for (auto& c : arg) if (c == '-') c = '_';
-    YAML::Node v = YAML::Load(value);
-    if (top.count(arg)) root[arg] = v;
-    else if (arg == "data_path") root["data"]["path"] = v;
-    else if (arg == "train_split" || arg == "valid_split") root["data"][arg] = v;  // as `replica llm` takes them
-    else root["params"][arg] = v;
+    flags.emplace_back(arg, value);
   }
-  YAML::Emitter emitter;
-  emitter << root;
-  return replica::io::parse_config(emitter.c_str(), path + " (with command-line overrides)");
+  return replica::train::load_config(path, flags);
 }
 
 int run_main(int argc, char** argv) {
@@ -155,6 +138,13 @@ int run_main(int argc, char** argv) {
       ->required()->check(CLI::ExistingDirectory);
   consolidate->add_option("OUT", consolidate_out, "Output .safetensors file")->required();
 
+  auto* keys_cmd = app.add_subcommand("keys", "Every params: key of a task (its flag, value, default and what it "
+                                              "does), as `replica --config` and `replica llm` take them");
+  std::string keys_task;
+  keys_cmd->add_option("TASK", keys_task, "llm-sft, image-classification or two-tower")
+      ->required()
+      ->check(CLI::IsMember({"llm-sft", "image-classification", "two-tower"}));
+
   auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
   std::string format = "text";
   env_cmd->add_option("--format", format, "text or json")->check(CLI::IsMember({"text", "json"}));
@@ -206,7 +196,7 @@ int run_main(int argc, char** argv) {
     return replica::launch::run(lopts);
   }
   if (*bench_ar) {
-    if (replica::dist::world_from_env()) return replica::cli::bench_allreduce_worker(bopts);
+    if (replica::distributed::world_from_env()) return replica::cli::bench_allreduce_worker(bopts);
     replica::launch::LaunchOptions opts;
     opts.nproc_per_node = replica::launch::resolve_nproc(bench_nproc);
     opts.threads_per_worker = 1;
@@ -234,12 +224,19 @@ int run_main(int argc, char** argv) {
     }
     return 0;
   }
+  if (*keys_cmd) {
+    const auto task = replica::train::enum_from<replica::train::Task>(keys_task).value();
+    std::cout << "params: keys of task " << keys_task << " (defaults in brackets; YAML writes them with "
+              << "underscores under params:)\n"
+              << replica::train::keys_help(task);
+    return 0;
+  }
   if (*env_cmd) {
     std::cout << replica::cli::env_report(format == "json");
     return 0;
   }
   if (!config_path.empty()) {
-    auto config = config_with_overrides(config_path, app.remaining());
+    auto config = config_with_flags(config_path, app.remaining());
     std::vector<std::string> self = {"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) self.emplace_back(argv[i]);
     return replica::train::run(config, self);

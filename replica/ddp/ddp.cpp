@@ -4,7 +4,7 @@
 #include "replica/core/gradient_home.h"
 #include "replica/core/system.h"
 #include "replica/ddp/bucketing.h"
-#include "replica/dist/grad_norm.h"
+#include "replica/distributed/grad_norm.h"
 #include "replica/obs/timeline.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -23,10 +23,10 @@
 namespace replica::ddp {
 
 CommHook allreduce_average_hook() {
-  return [](dist::ProcessGroup& pg, GradBucket& bucket) -> std::function<void()> {
+  return [](distributed::ProcessGroup& pg, GradBucket& bucket) -> std::function<void()> {
     // Divide first (PyTorch's default): the sum of averages cannot overflow fp16/bf16.
     bucket.buffer.div_(pg.size());
-    auto work = std::make_shared<dist::Work>(pg.allreduce_sum(bucket.buffer));
+    auto work = std::make_shared<distributed::Work>(pg.allreduce_sum(bucket.buffer));
     return [work] { work->wait(); };
   };
 }
@@ -34,10 +34,10 @@ CommHook allreduce_average_hook() {
 namespace {
 
 CommHook compress_hook(torch::ScalarType wire) {
-  return [wire](dist::ProcessGroup& pg, GradBucket& bucket) -> std::function<void()> {
+  return [wire](distributed::ProcessGroup& pg, GradBucket& bucket) -> std::function<void()> {
     if (bucket.buffer.scalar_type() == wire) return allreduce_average_hook()(pg, bucket);
     auto compressed = std::make_shared<torch::Tensor>(bucket.buffer.to(wire).div_(pg.size()));
-    auto work = std::make_shared<dist::Work>(pg.allreduce_sum(*compressed));
+    auto work = std::make_shared<distributed::Work>(pg.allreduce_sum(*compressed));
     torch::Tensor target = bucket.buffer;
     return [work, compressed, target]() mutable {
       work->wait();
@@ -58,7 +58,7 @@ std::string kind_of(const torch::Tensor& t) {
   return std::string(c10::toString(t.scalar_type())) + "@" + t.device().str();
 }
 
-void broadcast_coalesced(dist::ProcessGroup& pg, const std::vector<torch::Tensor>& tensors) {
+void broadcast_coalesced(distributed::ProcessGroup& pg, const std::vector<torch::Tensor>& tensors) {
   std::map<std::string, std::vector<torch::Tensor>> by_kind;
   for (const auto& t : tensors) by_kind[kind_of(t)].push_back(t);
   for (auto& [kind, group] : by_kind) {
@@ -92,7 +92,7 @@ bool is_bucket_view(const torch::Tensor& grad, const torch::Tensor& view) {
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
-                                                 std::shared_ptr<dist::ProcessGroup> pg,
+                                                 std::shared_ptr<distributed::ProcessGroup> pg,
                                                  DDPOptions options)
     : module_(std::move(module)), pg_(std::move(pg)), options_(options),
       hook_(allreduce_average_hook()) {
@@ -255,7 +255,7 @@ void DistributedDataParallel::launch_ready_buckets() {
     Bucket& bucket = buckets_[next_bucket_];
     if (sharded_) {
       // Half an all-reduce: this worker only needs the average of its own shard.
-      auto work = std::make_shared<dist::Work>(pg_->reduce_scatter_average(bucket.buffer));
+      auto work = std::make_shared<distributed::Work>(pg_->reduce_scatter_average(bucket.buffer));
       bucket.complete = [work] { work->wait(); };
     } else {
       GradBucket view{next_bucket_, bucket.buffer, bucket.params, next_bucket_ + 1 == buckets_.size()};
@@ -428,7 +428,7 @@ std::vector<std::string> DistributedDataParallel::shard_names() const {
 double DistributedDataParallel::clip_grad_norm(double max_norm) {
   std::vector<torch::Tensor> grads;
   for (const auto& t : shard_parameters()) grads.push_back(t.grad());
-  return dist::clip_grad_norm(grads, max_norm, sharded_ ? pg_.get() : nullptr);
+  return distributed::clip_grad_norm(grads, max_norm, sharded_ ? pg_.get() : nullptr);
 }
 
 void DistributedDataParallel::after_step() {
@@ -440,7 +440,7 @@ void DistributedDataParallel::after_step() {
     obs::Span span("barrier after step", "comm");
     pg_->shared_barrier().wait();
   } else {
-    std::vector<dist::Work> works;
+    std::vector<distributed::Work> works;
     obs::Span span("all-gather parameters", "comm");
     for (auto& b : buckets_) works.push_back(pg_->all_gather_shards(b.params_flat));
     for (auto& w : works) w.wait();

@@ -46,7 +46,7 @@
 // Thread-safety: one training thread per instance; hooks may run on autograd threads.
 #pragma once
 
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -87,7 +87,7 @@ struct GradBucket {
 // A communication hook starts the reduction of bucket.buffer and returns a function that
 // completes it: when that function returns, bucket.buffer holds the averaged gradients.
 // The default hook divides by the world size and all-reduces (PyTorch's allreduce_hook).
-using CommHook = std::function<std::function<void()>(dist::ProcessGroup&, GradBucket&)>;
+using CommHook = std::function<std::function<void()>(distributed::ProcessGroup&, GradBucket&)>;
 CommHook allreduce_average_hook();
 // Opt-in compression (PyTorch's bf16_compress_hook / fp16_compress_hook): the bucket is cast
 // to bf16/fp16, averaged in that precision, and cast back; half the bytes on the wire, at
@@ -100,7 +100,7 @@ class DistributedDataParallel {
   // Broadcasts rank 0's parameters and buffers, registers the gradient hooks, and makes the
   // process keep freed memory for reuse (keep_freed_memory_in_process, replica/core/system.h).
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
-                          std::shared_ptr<dist::ProcessGroup> process_group,
+                          std::shared_ptr<distributed::ProcessGroup> process_group,
                           DDPOptions options = {});
   ~DistributedDataParallel();
   DistributedDataParallel(const DistributedDataParallel&) = delete;
@@ -108,7 +108,7 @@ class DistributedDataParallel {
 
   torch::nn::Module& module() { return *module_; }
   std::shared_ptr<torch::nn::Module> module_ptr() { return module_; }
-  dist::ProcessGroup& process_group() { return *pg_; }
+  distributed::ProcessGroup& process_group() { return *pg_; }
 
   // Call before each forward when the model has buffers (BatchNorm running stats):
   // broadcasts rank 0's buffers, as PyTorch DDP does at every forward.
@@ -199,7 +199,7 @@ class DistributedDataParallel {
   void build_shards();
 
   std::shared_ptr<torch::nn::Module> module_;
-  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::shared_ptr<distributed::ProcessGroup> pg_;
   DDPOptions options_;
   CommHook hook_;
 

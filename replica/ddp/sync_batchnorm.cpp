@@ -10,13 +10,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-dist::ProcessGroup* group_of(AutogradContext* ctx) {
-  return reinterpret_cast<dist::ProcessGroup*>(ctx->saved_data["pg"].toInt());
+distributed::ProcessGroup* group_of(AutogradContext* ctx) {
+  return reinterpret_cast<distributed::ProcessGroup*>(ctx->saved_data["pg"].toInt());
 }
 
 struct AllGatherFunction : public torch::autograd::Function<AllGatherFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t pg_address) {
-    auto* pg = reinterpret_cast<dist::ProcessGroup*>(pg_address);
+    auto* pg = reinterpret_cast<distributed::ProcessGroup*>(pg_address);
     ctx->saved_data["pg"] = pg_address;
     ctx->saved_data["rows"] = x.size(0);
     std::vector<torch::Tensor> parts;
@@ -36,7 +36,7 @@ struct AllReduceFunction : public torch::autograd::Function<AllReduceFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t pg_address) {
     ctx->saved_data["pg"] = pg_address;
     torch::Tensor out = x.detach().clone();
-    reinterpret_cast<dist::ProcessGroup*>(pg_address)->allreduce_sum(out).wait();
+    reinterpret_cast<distributed::ProcessGroup*>(pg_address)->allreduce_sum(out).wait();
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -48,17 +48,17 @@ struct AllReduceFunction : public torch::autograd::Function<AllReduceFunction> {
 
 }  // namespace
 
-torch::Tensor all_gather_with_grad(const torch::Tensor& x, dist::ProcessGroup& pg) {
+torch::Tensor all_gather_with_grad(const torch::Tensor& x, distributed::ProcessGroup& pg) {
   if (pg.size() == 1) return x;
   return AllGatherFunction::apply(x, reinterpret_cast<int64_t>(&pg));
 }
 
-torch::Tensor all_reduce_sum_with_grad(const torch::Tensor& x, dist::ProcessGroup& pg) {
+torch::Tensor all_reduce_sum_with_grad(const torch::Tensor& x, distributed::ProcessGroup& pg) {
   if (pg.size() == 1) return x;
   return AllReduceFunction::apply(x, reinterpret_cast<int64_t>(&pg));
 }
 
-SyncBatchNorm2dImpl::SyncBatchNorm2dImpl(int64_t num_features, std::shared_ptr<dist::ProcessGroup> pg, double eps,
+SyncBatchNorm2dImpl::SyncBatchNorm2dImpl(int64_t num_features, std::shared_ptr<distributed::ProcessGroup> pg, double eps,
                                          double momentum)
     : num_features_(num_features), pg_(std::move(pg)), eps_(eps), momentum_(momentum) {
   if (num_features < 1) fail("SyncBatchNorm2d: num_features must be >= 1, got {}", num_features);

@@ -15,7 +15,7 @@
 // Every rank must call forward in the same order with the same channel count (collectives).
 #pragma once
 
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -26,14 +26,14 @@
 namespace replica::ddp {
 
 // Rows of `x` ([n, ...], the same shape on every rank) from every rank, in rank order.
-torch::Tensor all_gather_with_grad(const torch::Tensor& x, dist::ProcessGroup& pg);
+torch::Tensor all_gather_with_grad(const torch::Tensor& x, distributed::ProcessGroup& pg);
 
 // In-place-free sum over ranks whose backward is again a sum over ranks.
-torch::Tensor all_reduce_sum_with_grad(const torch::Tensor& x, dist::ProcessGroup& pg);
+torch::Tensor all_reduce_sum_with_grad(const torch::Tensor& x, distributed::ProcessGroup& pg);
 
 class SyncBatchNorm2dImpl : public torch::nn::Module {
  public:
-  SyncBatchNorm2dImpl(int64_t num_features, std::shared_ptr<dist::ProcessGroup> pg, double eps = 1e-5,
+  SyncBatchNorm2dImpl(int64_t num_features, std::shared_ptr<distributed::ProcessGroup> pg, double eps = 1e-5,
                       double momentum = 0.1);
   torch::Tensor forward(const torch::Tensor& x);
 
@@ -41,7 +41,7 @@ class SyncBatchNorm2dImpl : public torch::nn::Module {
 
  private:
   int64_t num_features_;
-  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::shared_ptr<distributed::ProcessGroup> pg_;
   double eps_, momentum_;
 };
 TORCH_MODULE(SyncBatchNorm2d);

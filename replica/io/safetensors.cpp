@@ -1,7 +1,7 @@
 #include "replica/io/safetensors.h"
 
 #include "replica/core/error.h"
-#include "replica/io/config.h"
+#include "replica/core/suggest.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

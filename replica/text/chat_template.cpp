@@ -1,5 +1,5 @@
 // Chat template API: built-in templates, the `chat_template:` resolver and the render entry
-// points over the Jinja interpreter in jinja_*.cpp (jinja_impl.h).
+// points over the Jinja interpreter in jinja/*.cpp (jinja/jinja.h).
 #include "replica/text/chat_template.h"
 
 #include "replica/core/files.h"

@@ -4,7 +4,7 @@
 // {% generation %} tag, the raise_exception and strftime_now globals and transformers' own
 // tojson filter).
 //
-// How: a Jinja2 interpreter (replica/text/jinja_*.cpp: lexer -> parser -> evaluator) that
+// How: a Jinja2 interpreter (replica/text/jinja/*.cpp: lexer -> parser -> evaluator) that
 // follows jinja2's lexer, parser, compile-time name resolution (idtracking), constant
 // folding and runtime with Python semantics: truthiness, str()/repr() of None, bools,
 // floats (shortest round-trip, 1e+16 style), lists, tuples, dicts (insertion-ordered);
@@ -14,7 +14,7 @@
 // namespace() does); lazy single-use generators from map/select/reject/selectattr/batch;
 // dict views, range objects; the sandbox's refusal of mutating methods (list.append,
 // dict.update, ...). The filters, tests, globals and str/dict/list methods that chat templates
-// use are built in (see jinja_impl.h). Message content is data: it is never parsed as a
+// use are built in (see jinja/jinja.h). Message content is data: it is never parsed as a
 // template, so a message holding "{{ 7*7 }}" renders literally.
 //
 // Verified against Python's Jinja2: tests/chat_templates/expected.json (Llama 3, 3.1, 3.2,
@@ -68,7 +68,7 @@ class ChatTemplateError : public replica::Error {
 };
 
 namespace detail {
-struct JinjaProgram;  // a parsed template (replica/text/jinja_program.cpp)
+struct JinjaProgram;  // a parsed template (replica/text/jinja/program.cpp)
 std::shared_ptr<const JinjaProgram> jinja_parse(const std::string& source);
 std::string jinja_render(const JinjaProgram& program, const nlohmann::ordered_json& context);
 }  // namespace detail

@@ -2,7 +2,7 @@
 
 #include "replica/core/error.h"
 #include "replica/ddp/ddp.h"
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 #include "replica/train/checkpoint.h"
 #include "replica/train/optim.h"
 #include "replica/train/workload.h"
@@ -40,7 +40,7 @@ double global_grad_norm(const std::vector<torch::Tensor>& params) {
 
 class DdpEngine final : public ParallelEngine {
  public:
-  DdpEngine(const io::Params& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<dist::ProcessGroup> pg)
+  DdpEngine(const RunParams& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distributed::ProcessGroup> pg)
       : model_(std::move(model)), pg_(std::move(pg)) {
     ddp::DDPOptions options;
     options.shard_optimizer = p.shard_optimizer;  // nullopt: auto, decided by DDP
@@ -78,7 +78,7 @@ class DdpEngine final : public ParallelEngine {
     if (ddp_->sharded()) ddp_->after_step();  // all-gather the updated shards
   }
 
-  void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, const std::string& kind,
+  void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, OptimizerKind kind,
                        const fs::path&, Checkpoint& c) override {
     auto state = optimizer_state(optimizer, kind, params_, names_);
     // Sharded: the full optimizer state, gathered from every worker's shards (collective).
@@ -89,7 +89,7 @@ class DdpEngine final : public ParallelEngine {
   }
 
   void load_checkpoint(const std::string& dir, const Checkpoint& c, Workload& workload,
-                       torch::optim::Optimizer& optimizer, const std::string& kind) override {
+                       torch::optim::Optimizer& optimizer, OptimizerKind kind) override {
     if (is_zero3_checkpoint(dir)) {
       fail("{} was written with distributed_backend zero3; resume with the same backend (or `replica "
            "consolidate` it into a full model)",
@@ -120,13 +120,13 @@ class DdpEngine final : public ParallelEngine {
 
  private:
   std::shared_ptr<torch::nn::Module> model_;
-  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::shared_ptr<distributed::ProcessGroup> pg_;
   std::unique_ptr<ddp::DistributedDataParallel> ddp_;
 };
 
 class Zero3Engine final : public ParallelEngine {
  public:
-  Zero3Engine(const io::Params& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<dist::ProcessGroup> pg)
+  Zero3Engine(const RunParams& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distributed::ProcessGroup> pg)
       : model_(std::move(model)), pg_(std::move(pg)) {
     zero::Zero3Options options;
     options.stage3_prefetch_bucket_size = p.stage3_prefetch_bucket_size;
@@ -149,7 +149,7 @@ class Zero3Engine final : public ParallelEngine {
   void eval_end() override { zero_->release_all(); }
   void gather_full_model() override { zero_->gather_all(); }  // final/ is the full model
 
-  void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, const std::string& kind,
+  void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, OptimizerKind kind,
                        const fs::path& staging, Checkpoint& c) override {
     // Every worker writes its shard; rank 0 moves them into the checkpoint it writes.
     zero::save_shards(staging.string(), *zero_, optimizer_state(optimizer, kind, params_, names_));
@@ -165,7 +165,7 @@ class Zero3Engine final : public ParallelEngine {
   }
 
   void load_checkpoint(const std::string& dir, const Checkpoint&, Workload&, torch::optim::Optimizer& optimizer,
-                       const std::string& kind) override {
+                       OptimizerKind kind) override {
     if (!is_zero3_checkpoint(dir)) {
       fail("{} was written with distributed_backend ddp; resume with the same backend", dir);
     }
@@ -194,27 +194,16 @@ class Zero3Engine final : public ParallelEngine {
 
  private:
   std::shared_ptr<torch::nn::Module> model_;
-  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::shared_ptr<distributed::ProcessGroup> pg_;
   std::unique_ptr<zero::Zero3> zero_;
 };
 
 }  // namespace
 
-std::unique_ptr<ParallelEngine> make_engine(const io::Params& params, std::shared_ptr<torch::nn::Module> model,
-                                            std::shared_ptr<dist::ProcessGroup> pg) {
-  if (params.distributed_backend == "zero3") return std::make_unique<Zero3Engine>(params, std::move(model), std::move(pg));
+std::unique_ptr<ParallelEngine> make_engine(const RunParams& params, std::shared_ptr<torch::nn::Module> model,
+                                            std::shared_ptr<distributed::ProcessGroup> pg) {
+  if (params.distributed_backend == DistributedBackend::Zero3) return std::make_unique<Zero3Engine>(params, std::move(model), std::move(pg));
   return std::make_unique<DdpEngine>(params, std::move(model), std::move(pg));
-}
-
-nlohmann::json engine_params_json(const io::Params& p) {
-  nlohmann::json j = nlohmann::json::object();
-  if (p.distributed_backend != "zero3") return j;
-  j["stage3_prefetch_bucket_size"] = p.stage3_prefetch_bucket_size;
-  j["stage3_param_persistence_threshold"] = p.stage3_param_persistence_threshold;
-  j["stage3_max_live_parameters"] = p.stage3_max_live_parameters;
-  j["reduce_bucket_size"] = p.reduce_bucket_size;
-  j["overlap_comm"] = p.overlap_comm;
-  return j;
 }
 
 }  // namespace replica::train

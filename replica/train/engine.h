@@ -8,13 +8,13 @@
 //                            (shard_optimizer, the default on one host), then an all-gather;
 //   zero3                    ZeRO-3: parameters, gradients and optimizer state sharded,
 //                            layers gathered around their forward and backward.
-// make_engine() is the one place that reads params.distributed_backend.
+// make_engine() is the one place that reads params.distributed_backend (with the key table,
+// which writes ZeRO-3's keys to training_params.json only for zero3 runs).
 #pragma once
 
-#include "replica/io/config.h"
 #include "replica/io/safetensors.h"
+#include "replica/train/run_config.h"
 
-#include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-namespace replica::dist {
+namespace replica::distributed {
 class ProcessGroup;
 }
 
@@ -60,12 +60,12 @@ class ParallelEngine {
   // A checkpoint's engine part. Collective: every worker calls it. `staging` is a directory
   // (in the project) the engine may write this worker's shards into; on rank 0 `checkpoint`
   // receives the model tensors, the optimizer state and the files to move into place.
-  virtual void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, const std::string& kind,
+  virtual void save_checkpoint(Workload& workload, torch::optim::Optimizer& optimizer, OptimizerKind kind,
                                const std::filesystem::path& staging, Checkpoint& checkpoint) = 0;
   // Restores what save_checkpoint wrote into `dir` (the model through the workload, the
   // optimizer state). replica::Error when `dir` was written by another kind of engine.
   virtual void load_checkpoint(const std::string& dir, const Checkpoint& checkpoint, Workload& workload,
-                               torch::optim::Optimizer& optimizer, const std::string& kind) = 0;
+                               torch::optim::Optimizer& optimizer, OptimizerKind kind) = 0;
 
   // "rank R: backend ...: per-worker model state ...; peak RSS ..." for the end of a run.
   virtual std::string memory_report(int64_t optimizer_bytes) = 0;
@@ -77,11 +77,7 @@ class ParallelEngine {
 
 // The engine `params.distributed_backend` (and shard_optimizer, the ZeRO-3 knobs) asks for,
 // applied to `model` over `pg`.
-std::unique_ptr<ParallelEngine> make_engine(const io::Params& params, std::shared_ptr<torch::nn::Module> model,
-                                            std::shared_ptr<dist::ProcessGroup> pg);
-
-// The settings of that engine that training_params.json records beside the common ones
-// (ZeRO-3's stage3_* keys, reduce_bucket_size, overlap_comm; nothing for DDP).
-nlohmann::json engine_params_json(const io::Params& params);
+std::unique_ptr<ParallelEngine> make_engine(const RunParams& params, std::shared_ptr<torch::nn::Module> model,
+                                            std::shared_ptr<distributed::ProcessGroup> pg);
 
 }  // namespace replica::train

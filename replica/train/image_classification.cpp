@@ -16,10 +16,11 @@
 #include "replica/core/system.h"
 #include "replica/data/fashion_mnist.h"
 #include "replica/ddp/sync_batchnorm.h"
-#include "replica/dist/world.h"
+#include "replica/distributed/world.h"
 #include "replica/models/mlp.h"
 #include "replica/models/resnet.h"
-#include "replica/train/image_classification.h"
+#include "replica/train/task.h"
+#include "replica/train/workload.h"
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -61,9 +62,10 @@ torch::Tensor augment(const torch::Tensor& x, torch::Generator& gen) {
 
 class ImageClassification final : public Workload {
  public:
-  ImageClassification(const io::RunConfig& config, std::shared_ptr<dist::ProcessGroup> pg)
-      : kind_(config.model), hidden_(config.params.hidden_sizes), augment_(config.params.augment),
-        stem_(config.params.resnet_stem), sync_batchnorm_(config.params.sync_batchnorm) {
+  ImageClassification(const RunConfig& config, const WorkloadContext& context)
+      : kind_(config.model), hidden_(config.image.hidden_sizes), augment_(config.image.augment),
+        stem_(name_of(config.image.resnet_stem)), sync_batchnorm_(config.image.sync_batchnorm) {
+    const auto& pg = context.pg;
     const std::string where = config.source.empty() ? "config" : config.source;
     if (kind_ != "mlp" && kind_ != "resnet18") {
       fail("{}: model '{}' is not available for image-classification (mlp, resnet18)", where, kind_);
@@ -96,8 +98,7 @@ class ImageClassification final : public Workload {
     // every core computing (this host's workers x their threads >= cores) it would only take
     // turns with the compute threads, and its start and hand-over cost more than the batch:
     // MLP-1.8M at 2 workers on 2 cores trained 2.4% faster preparing batches when taken.
-    const int local_workers = dist::world_from_env().value_or(dist::WorldInfo{}).local_world_size;
-    background_prefetch_ = usable_cores() > std::max(1, local_workers) * at::get_num_threads();
+    background_prefetch_ = usable_cores() > std::max(1, context.world.local_world_size) * context.threads;
   }
 
   ~ImageClassification() override { pending_.clear(); }
@@ -231,9 +232,25 @@ class ImageClassification final : public Workload {
 
 }  // namespace
 
-std::unique_ptr<Workload> make_image_classification(const io::RunConfig& config,
-                                                    std::shared_ptr<dist::ProcessGroup> pg) {
-  return std::make_unique<ImageClassification>(config, std::move(pg));
+TaskSpec image_classification_task() {
+  TaskSpec t;
+  t.task = Task::ImageClassification;
+  t.summary = "Fashion-MNIST (IDX files) with an MLP or a ResNet-18";
+  t.models = {"mlp", "resnet18"};
+  const auto i = &RunConfig::image;
+  using I = ImageParams;
+  t.keys = {
+      key("hidden_sizes", i, &I::hidden_sizes, "mlp: widths of the hidden layers").group("Model"),
+      key("sync_batchnorm", i, &I::sync_batchnorm, "resnet18: batch statistics across all workers").group("Model"),
+      key("augment", i, &I::augment, "resnet18: random crop (padding 4) and horizontal flip").group("Model"),
+      key("resnet_stem", i, &I::resnet_stem,
+          "resnet18: imagenet (7x7/2 conv + max-pool), pooled (3x3/1 + max-pool) or small (3x3/1)")
+          .group("Model"),
+  };
+  t.make = [](const RunConfig& config, const WorkloadContext& context) -> std::unique_ptr<Workload> {
+    return std::make_unique<ImageClassification>(config, context);
+  };
+  return t;
 }
 
 }  // namespace replica::train

@@ -5,11 +5,11 @@
 #include "replica/core/error.h"
 #include "replica/core/files.h"
 #include "replica/data/records.h"
-#include "replica/dist/world.h"
 #include "replica/io/files.h"
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"
 #include "replica/text/chat_template.h"
+#include "replica/train/task.h"
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -27,12 +27,6 @@ namespace {
 
 using json = nlohmann::json;
 using ordered_json = nlohmann::ordered_json;
-
-// Only rank 0 (or a single process) reports on the data.
-bool is_main_process() {
-  auto world = dist::world_from_env();
-  return !world || world->rank == 0;
-}
 
 std::string column(const std::map<std::string, std::string>& mapping, const std::string& key,
                    const std::string& fallback) {
@@ -71,21 +65,16 @@ void check_messages(const json& messages, const std::string& where) {
   }
 }
 
-std::vector<std::string> split_targets(const std::string& text) {
-  // PEFT's names, and the short forms of the issue (q, k, v, o, gate, up, down).
+// PEFT's names, and the short forms q, k, v, o, gate, up, down.
+std::vector<std::string> peft_target_names(const std::vector<std::string>& names) {
   static const std::map<std::string, std::string> kShort = {{"q", "q_proj"},       {"k", "k_proj"},
                                                             {"v", "v_proj"},       {"o", "o_proj"},
                                                             {"gate", "gate_proj"}, {"up", "up_proj"},
                                                             {"down", "down_proj"}};
   std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    if (item.empty()) continue;
-    auto it = kShort.find(item);
-    out.push_back(it == kShort.end() ? item : it->second);
+  for (const auto& name : names) {
+    auto it = kShort.find(name);
+    out.push_back(it == kShort.end() ? name : it->second);
   }
   return out;
 }
@@ -377,43 +366,33 @@ PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::
 // ---------------------------------------------------------------------------------------
 // Settings and checks
 
-LlmSftSettings llm_sft_settings(const io::RunConfig& config) {
-  const auto& extra = config.params.extra;
-  auto text = [&](const char* key) -> std::string {
-    auto it = extra.find(key);
-    if (it == extra.end()) fail("llm-sft: params.{} is missing from the configuration", key);
-    return it->second;
-  };
-  auto boolean = [&](const char* key) { return text(key) == "true"; };
+LlmSftSettings llm_sft_settings(const RunConfig& config) {
+  const LlmParams& p = config.llm;
   LlmSftSettings s;
-  s.peft = boolean("peft");
-  s.lora.r = std::stoll(text("lora_r"));
-  s.lora.lora_alpha = static_cast<double>(std::stoll(text("lora_alpha")));
-  s.lora.lora_dropout = std::stod(text("lora_dropout"));
-  const std::string targets = text("target_modules");
-  s.lora.target_modules = targets == "all-linear" ? std::vector<std::string>{"all-linear"} : split_targets(targets);
-  if (s.lora.target_modules.empty()) fail("params.target_modules names no module");
+  s.peft = p.peft;
+  s.lora.r = p.lora_r;
+  s.lora.lora_alpha = static_cast<double>(p.lora_alpha);
+  s.lora.lora_dropout = p.lora_dropout;
+  s.lora.target_modules = p.target_modules == std::vector<std::string>{"all-linear"}
+                              ? p.target_modules
+                              : peft_target_names(p.target_modules);
   s.lora.base_model_name_or_path = config.base_model;
-  s.model_max_length = std::stoll(text("model_max_length"));
-  const int64_t block = std::stoll(text("block_size"));
-  s.block_size = block == -1 ? s.model_max_length : block;
-  s.merge_adapter = boolean("merge_adapter");
-  s.add_eos_token = boolean("add_eos_token");
-  s.quantization = text("quantization");
+  s.model_max_length = p.model_max_length;
+  s.block_size = p.block_size == -1 ? p.model_max_length : p.block_size;
+  s.merge_adapter = p.merge_adapter;
+  s.add_eos_token = p.add_eos_token;
   return s;
 }
 
-void check_llm_sft_config(const io::RunConfig& config) {
+void check_llm_sft_config(const RunConfig& config) {
   const LlmSftSettings s = llm_sft_settings(config);
-  if (s.quantization != "none") {
+  if (config.llm.quantization != "none") {
     fail("quantization {} is not supported: 4-bit/8-bit quantized training (QLoRA) is a GPU feature of "
          "bitsandbytes, and replica trains on CPU without it; leave quantization at none (the default; "
          "--peft still trains LoRA adapters on the unquantized model)",
-         s.quantization);
+         config.llm.quantization);
   }
-  if (config.params.extra.count("unsloth") && config.params.extra.at("unsloth") == "true") {
-    fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
-  }
+  if (config.llm.unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
   const fs::path model(config.base_model);
   if (!fs::is_directory(model)) fail("base_model '{}' is not a model directory", config.base_model);
   if (!fs::exists(model / "config.json")) fail("base_model '{}' has no config.json", config.base_model);
@@ -454,7 +433,7 @@ std::vector<SftSample> encode_split(const SftEncoder& encoder, const std::string
   return samples;
 }
 
-SftEncoderOptions encoder_options(const io::RunConfig& config, int64_t max_length) {
+SftEncoderOptions encoder_options(const RunConfig& config, int64_t max_length) {
   SftEncoderOptions o;
   o.chat_template = config.data.chat_template;
   o.column_mapping = config.data.column_mapping;
@@ -465,10 +444,11 @@ SftEncoderOptions encoder_options(const io::RunConfig& config, int64_t max_lengt
 
 class LlmSft final : public Workload {
  public:
-  explicit LlmSft(const io::RunConfig& config) : config_(config), settings_(llm_sft_settings(config)) {
+  LlmSft(const RunConfig& config, const WorkloadContext& context)
+      : config_(config), settings_(llm_sft_settings(config)) {
     check_llm_sft_config(config);
-    const bool main = is_main_process();
-    const bool bf16 = config.params.mixed_precision == "bf16";
+    const bool main = context.is_main();
+    const bool bf16 = config.params.mixed_precision == Precision::Bf16;
     // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
     // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
     const auto dtype = settings_.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
@@ -628,7 +608,7 @@ class LlmSft final : public Workload {
   }
 
  private:
-  io::RunConfig config_;
+  RunConfig config_;
   LlmSftSettings settings_;
   models::LlamaForCausalLM model_{nullptr};
   models::LoraConfig lora_;
@@ -640,9 +620,80 @@ class LlmSft final : public Workload {
 
 }  // namespace
 
-std::unique_ptr<Workload> make_llm_sft(const io::RunConfig& config) { return std::make_unique<LlmSft>(config); }
+std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadContext& context) {
+  return std::make_unique<LlmSft>(config, context);
+}
 
-LlmEvalResult evaluate_llm(const io::RunConfig& config, const std::string& adapter_dir) {
+TaskSpec llm_sft_task() {
+  TaskSpec t;
+  t.task = Task::LlmSft;
+  t.summary = "supervised fine-tuning of a Llama-family model (full or LoRA), AutoTrain's LLMTrainingParams";
+  const auto l = &RunConfig::llm;
+  using L = LlmParams;
+  t.keys = {
+      key("trainer", l, &L::trainer, "the trainer: sft (supervised fine-tuning)")
+          .group("LLM")
+          .one_of({"sft"})
+          .alias("default", "sft"),  // AutoTrain's name for plain SFT
+      key("peft", l, &L::peft, "train LoRA adapters on the frozen model instead of every weight").group("LoRA"),
+      key("lora_r", l, &L::lora_r, "LoRA rank").group("LoRA").at_least(1),
+      key("lora_alpha", l, &L::lora_alpha, "LoRA scale numerator (scale = alpha / r)").group("LoRA").at_least(1),
+      key("lora_dropout", l, &L::lora_dropout, "dropout on the adapters' input")
+          .group("LoRA")
+          .check([](const double& v) {
+            return v < 0 || v >= 1 ? fmt::format("must be in [0, 1), got {}", v) : std::string();
+          }),
+      key("target_modules", l, &L::target_modules,
+          "the adapted linears: all-linear, or names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+          .group("LoRA"),
+      key("merge_adapter", l, &L::merge_adapter, "also fold the adapter into the base model: project_name/merged/").group("LoRA"),
+      key("model_max_length", l, &L::model_max_length, "samples are truncated to this many tokens")
+          .group("LLM")
+          .at_least(1),
+      key("block_size", l, &L::block_size, "packed row length (-1: model_max_length)")
+          .group("LLM")
+          .check([](const int64_t& v) {
+            return v != -1 && v < 1 ? fmt::format("must be -1 (model_max_length) or >= 1, got {}", v) : std::string();
+          }),
+      key("padding", l, &L::padding, "side of the padding (rows are packed: only the last one pads)")
+          .group("LLM")
+          .one_of({"right", "left"}),
+      key("add_eos_token", l, &L::add_eos_token, "end every text sample with the tokenizer's EOS").group("LLM"),
+      key("quantization", l, &L::quantization, "quantized base (int4/int8 need bitsandbytes on CUDA: refused)")
+          .group("LLM")
+          .one_of({"none", "int4", "int8"})
+          .null_is("none"),
+      key("disable_gradient_checkpointing", l, &L::disable_gradient_checkpointing,
+          "accepted for AutoTrain configs (activations are kept)")
+          .group("LLM"),
+      key("use_flash_attention_2", l, &L::use_flash_attention_2,
+          "accepted for AutoTrain configs (attention is always PyTorch's fused SDPA)")
+          .group("LLM"),
+      key("unsloth", l, &L::unsloth, "Unsloth's kernels (CUDA-only: refused)").group("LLM"),
+  };
+  t.defaults = [](RunConfig& c) {
+    // AutoTrain's LLMTrainingParams defaults.
+    c.data.column_mapping = {{"text_column", "text"}};
+    RunParams& p = c.params;
+    p.lr = 3e-5;
+    p.epochs = 1;
+    p.batch_size = 2;
+    p.gradient_accumulation = 4;
+    p.warmup_ratio = 0.1;
+    p.optimizer = OptimizerKind::AdamW;
+    p.scheduler = SchedulerKind::Linear;
+    p.weight_decay = 0.0;
+    p.max_grad_norm = 1.0;
+    p.seed = 42;
+    p.mixed_precision = Precision::Fp32;  // AutoTrain's default is none
+    p.save_total_limit = 1;
+  };
+  t.check = check_llm_sft_config;
+  t.make = make_llm_sft;
+  return t;
+}
+
+LlmEvalResult evaluate_llm(const RunConfig& config, const std::string& adapter_dir) {
   const LlmSftSettings settings = llm_sft_settings(config);
   auto model = models::load_hf_model(config.base_model, torch::kFloat32);
   if (!adapter_dir.empty()) models::load_adapter(*model, adapter_dir);

@@ -34,7 +34,7 @@
 // full fine-tuning keeps fp32 master weights and computes in bf16 under autocast.
 #pragma once
 
-#include "replica/io/config.h"
+#include "replica/train/run_config.h"
 #include "replica/models/lora.h"
 #include "replica/text/tokenizer.h"
 #include "replica/train/workload.h"
@@ -129,7 +129,7 @@ struct PackedBatch {
 PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::vector<std::vector<int64_t>>& rows,
                               const std::vector<int64_t>& row_indices, int32_t pad_id);
 
-// params.extra of an llm-sft config, typed.
+// An llm-sft config's LLM keys, resolved (block_size -1 -> model_max_length, PEFT's target names).
 struct LlmSftSettings {
   bool peft = false;
   models::LoraConfig lora;      // r, lora_alpha, lora_dropout, target_modules
@@ -137,15 +137,14 @@ struct LlmSftSettings {
   int64_t block_size = 2048;    // resolved (-1 -> model_max_length)
   bool merge_adapter = false;
   bool add_eos_token = true;
-  std::string quantization = "none";
 };
-LlmSftSettings llm_sft_settings(const io::RunConfig& config);
+LlmSftSettings llm_sft_settings(const RunConfig& config);
 
-std::unique_ptr<Workload> make_llm_sft(const io::RunConfig& config);
+std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadContext& context);
 
 // What can be refused before workers start: quantization (a bitsandbytes/CUDA feature), a
 // base model directory without config.json or tokenizer, a missing data file.
-void check_llm_sft_config(const io::RunConfig& config);
+void check_llm_sft_config(const RunConfig& config);
 
 // `replica llm --eval`: every sample of the split (valid_split when set, else train_split)
 // on its own (no packing; truncated only at model_max_length), through the base model (plus
@@ -157,7 +156,7 @@ struct LlmEvalResult {
   int64_t tokens = 0;
   int64_t samples = 0;
 };
-LlmEvalResult evaluate_llm(const io::RunConfig& config, const std::string& adapter_dir = "");
+LlmEvalResult evaluate_llm(const RunConfig& config, const std::string& adapter_dir = "");
 
 // `replica llm init-demo DIR`: DIR/model, a small Llama (models::make_tiny_llama, random
 // init) with a SentencePiece BPE tokenizer trained here on the demo data

@@ -202,15 +202,11 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params) {
-  if (spec.name == "sgd") {
+  if (spec.kind == OptimizerKind::Sgd) {
     return std::make_unique<FusedSGD>(
         params, torch::optim::SGDOptions(spec.lr).momentum(spec.momentum).weight_decay(spec.weight_decay));
   }
-  if (spec.name == "adamw") {
-    return std::make_unique<FusedAdamW>(
-        params, torch::optim::AdamWOptions(spec.lr).weight_decay(spec.weight_decay));
-  }
-  fail("unknown optimizer '{}' (sgd, adamw)", spec.name);
+  return std::make_unique<FusedAdamW>(params, torch::optim::AdamWOptions(spec.lr).weight_decay(spec.weight_decay));
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
@@ -224,7 +220,7 @@ void* key_of(const torch::Tensor& p) { return p.unsafeGetTensorImpl(); }
 
 }  // namespace
 
-io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, const std::string& kind,
+io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                                  const std::vector<torch::Tensor>& params,
                                  const std::vector<std::string>& names) {
   io::NamedTensors out;
@@ -233,23 +229,21 @@ io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, const std::
     auto it = state.find(key_of(params[i]));
     if (it == state.end()) continue;
     const std::string& n = names[i];
-    if (kind == "sgd") {
+    if (kind == OptimizerKind::Sgd) {
       auto& s = static_cast<torch::optim::SGDParamState&>(*it->second);
       if (s.momentum_buffer().defined()) out.emplace_back(n + ".momentum_buffer", s.momentum_buffer());
-    } else if (kind == "adamw") {
+    } else {
       auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
       out.emplace_back(n + ".step", torch::tensor(s.step(), torch::kLong));
       out.emplace_back(n + ".exp_avg", s.exp_avg());
       out.emplace_back(n + ".exp_avg_sq", s.exp_avg_sq());
       if (s.max_exp_avg_sq().defined()) out.emplace_back(n + ".max_exp_avg_sq", s.max_exp_avg_sq());
-    } else {
-      fail("unknown optimizer '{}'", kind);
     }
   }
   return out;
 }
 
-void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& kind,
+void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                           const std::vector<torch::Tensor>& params,
                           const std::vector<std::string>& names, const io::NamedTensors& state) {
   std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
@@ -268,13 +262,13 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::string&
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string& n = names[i];
     const auto& p = params[i];
-    if (kind == "sgd") {
+    if (kind == OptimizerKind::Sgd) {
       auto buf = take(n + ".momentum_buffer", p);
       if (!buf.defined()) continue;
       auto s = std::make_unique<torch::optim::SGDParamState>();
       s->momentum_buffer(buf);
       slots[key_of(p)] = std::move(s);
-    } else if (kind == "adamw") {
+    } else {
       auto step = take(n + ".step", torch::Tensor());
       if (!step.defined()) continue;
       auto s = std::make_unique<torch::optim::AdamWParamState>();
@@ -287,8 +281,6 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::string&
       auto m = take(n + ".max_exp_avg_sq", p);
       if (m.defined()) s->max_exp_avg_sq(m);
       slots[key_of(p)] = std::move(s);
-    } else {
-      fail("unknown optimizer '{}'", kind);
     }
   }
   if (used != state.size()) {

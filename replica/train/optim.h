@@ -3,6 +3,7 @@
 #pragma once
 
 #include "replica/io/safetensors.h"
+#include "replica/train/run_config.h"
 
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
@@ -15,7 +16,7 @@
 namespace replica::train {
 
 struct OptimizerSpec {
-  std::string name = "adamw";  // sgd | adamw
+  OptimizerKind kind = OptimizerKind::AdamW;
   double lr = 1e-3;
   double momentum = 0.9;
   double weight_decay = 0.0;
@@ -55,12 +56,12 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
 // Per-parameter state as "<param name>.<field>" tensors (SGD: momentum_buffer; AdamW: step,
 // exp_avg, exp_avg_sq, max_exp_avg_sq). Parameters without state yet are absent.
-io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, const std::string& kind,
+io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                                  const std::vector<torch::Tensor>& params,
                                  const std::vector<std::string>& names);
 
 // Restores what optimizer_state wrote. A shape mismatch or unknown name is a replica::Error.
-void load_optimizer_state(torch::optim::Optimizer& optimizer, const std::string& kind,
+void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                           const std::vector<torch::Tensor>& params,
                           const std::vector<std::string>& names, const io::NamedTensors& state);
 

@@ -1,7 +1,7 @@
 #include "replica/train/run_state.h"
 
 #include "replica/core/error.h"
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 #include "replica/train/engine.h"
 #include "replica/train/project_dir.h"
 #include "replica/train/workload.h"
@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 
 namespace replica::train {
 
-int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg, int restart_count) {
+int64_t decide_start(const RunConfig& config, distributed::ProcessGroup& pg, int restart_count) {
   int64_t decision = -1;  // -1: fresh start; >= 0: the checkpoint step
   std::string error;
   if (pg.rank() == 0) {
@@ -65,8 +65,8 @@ int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg, int re
   return msg[0][0].item<int64_t>();
 }
 
-TrainerState resume(const io::RunConfig& config, int64_t step, ParallelEngine& engine, Workload& workload,
-                    torch::optim::Optimizer& optimizer, dist::ProcessGroup& pg, int restart_count) {
+TrainerState resume(const RunConfig& config, int64_t step, ParallelEngine& engine, Workload& workload,
+                    torch::optim::Optimizer& optimizer, distributed::ProcessGroup& pg, int restart_count) {
   const auto& p = config.params;
   const std::string dir = (fs::path(config.project_name) / fmt::format("checkpoint-{}", step)).string();
   Checkpoint ckpt = load_checkpoint(dir);
@@ -95,8 +95,8 @@ TrainerState resume(const io::RunConfig& config, int64_t step, ParallelEngine& e
   return state;
 }
 
-void save_run_checkpoint(const io::RunConfig& config, const TrainerState& state, ParallelEngine& engine,
-                         Workload& workload, torch::optim::Optimizer& optimizer, dist::ProcessGroup& pg) {
+void save_run_checkpoint(const RunConfig& config, const TrainerState& state, ParallelEngine& engine,
+                         Workload& workload, torch::optim::Optimizer& optimizer, distributed::ProcessGroup& pg) {
   Checkpoint c;
   c.model_file = workload.checkpoint_model_file();
   c.extras = [&](const std::string& dir) { workload.write_checkpoint_extras(dir); };

@@ -3,7 +3,7 @@
 // optimizer through the parallel engine, the trainer's position, the RNG), and writing one.
 #pragma once
 
-#include "replica/io/config.h"
+#include "replica/train/run_config.h"
 #include "replica/train/checkpoint.h"
 
 #include <torch/optim/optimizer.h>
@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-namespace replica::dist {
+namespace replica::distributed {
 class ProcessGroup;
 }
 
@@ -25,15 +25,15 @@ class Workload;
 // usable checkpoint is a replica::Error naming them (a fresh start needs --overwrite, which
 // removes them here). `restart_count` > 0: the launcher restarted this run after a failure,
 // so outputs without a checkpoint are its own and it starts over.
-int64_t decide_start(const io::RunConfig& config, dist::ProcessGroup& pg, int restart_count);
+int64_t decide_start(const RunConfig& config, distributed::ProcessGroup& pg, int restart_count);
 
 // Restores checkpoint-`step` of the project and returns the trainer state to continue from
 // (its position re-cut when the world size or batch size changed).
-TrainerState resume(const io::RunConfig& config, int64_t step, ParallelEngine& engine, Workload& workload,
-                    torch::optim::Optimizer& optimizer, dist::ProcessGroup& pg, int restart_count);
+TrainerState resume(const RunConfig& config, int64_t step, ParallelEngine& engine, Workload& workload,
+                    torch::optim::Optimizer& optimizer, distributed::ProcessGroup& pg, int restart_count);
 
 // Writes checkpoint-STEP of `state` (collective: every worker takes part).
-void save_run_checkpoint(const io::RunConfig& config, const TrainerState& state, ParallelEngine& engine,
-                         Workload& workload, torch::optim::Optimizer& optimizer, dist::ProcessGroup& pg);
+void save_run_checkpoint(const RunConfig& config, const TrainerState& state, ParallelEngine& engine,
+                         Workload& workload, torch::optim::Optimizer& optimizer, distributed::ProcessGroup& pg);
 
 }  // namespace replica::train

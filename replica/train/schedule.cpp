@@ -7,15 +7,14 @@
 
 namespace replica::train {
 
-double learning_rate(const std::string& scheduler, double base_lr, int64_t step, int64_t total,
+double learning_rate(SchedulerKind scheduler, double base_lr, int64_t step, int64_t total,
                      int64_t warmup) {
   if (warmup > 0 && step < warmup) return base_lr * static_cast<double>(step) / warmup;
-  if (scheduler == "constant") return base_lr;
+  if (scheduler == SchedulerKind::Constant) return base_lr;
   const double span = std::max<int64_t>(1, total - warmup);
   const double progress = std::clamp((step - warmup) / span, 0.0, 1.0);
-  if (scheduler == "linear") return base_lr * (1.0 - progress);
-  if (scheduler == "cosine") return base_lr * 0.5 * (1.0 + std::cos(M_PI * progress));
-  fail("unknown scheduler '{}' (constant, linear, cosine)", scheduler);
+  if (scheduler == SchedulerKind::Linear) return base_lr * (1.0 - progress);
+  return base_lr * 0.5 * (1.0 + std::cos(M_PI * progress));  // cosine
 }
 
 int64_t warmup_steps(int64_t warmup_steps, double warmup_ratio, int64_t total) {

@@ -3,13 +3,14 @@
 // decay to 0 at `total` steps.
 #pragma once
 
+#include "replica/train/run_config.h"
+
 #include <cstdint>
-#include <string>
 
 namespace replica::train {
 
 // The rate for optimizer step `step` (0-based) of `total`.
-double learning_rate(const std::string& scheduler, double base_lr, int64_t step, int64_t total,
+double learning_rate(SchedulerKind scheduler, double base_lr, int64_t step, int64_t total,
                      int64_t warmup);
 
 // warmup_steps when set, else ceil(warmup_ratio * total).

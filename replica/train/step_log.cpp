@@ -1,7 +1,7 @@
 #include "replica/train/step_log.h"
 
 #include "replica/core/files.h"
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 #include "replica/obs/tensorboard.h"
 
 #include <fmt/format.h>
@@ -37,7 +37,7 @@ void truncate_metrics(const fs::path& path, int64_t last_step) {
 
 }  // namespace
 
-StepLog::StepLog(const io::RunConfig& config, dist::ProcessGroup& pg, int64_t start_step, int64_t total_steps)
+StepLog::StepLog(const RunConfig& config, distributed::ProcessGroup& pg, int64_t start_step, int64_t total_steps)
     : config_(config),
       pg_(pg),
       total_steps_(total_steps),
@@ -48,7 +48,7 @@ StepLog::StepLog(const io::RunConfig& config, dist::ProcessGroup& pg, int64_t st
   // Resuming: drop metrics of steps that will be redone. Fresh start: a dead run's metrics go.
   truncate_metrics(project / "metrics.jsonl", std::max<int64_t>(start_step, 0));
   metrics_.open(project / "metrics.jsonl", std::ios::app);
-  if (config.log == "tensorboard") tensorboard_ = std::make_unique<obs::EventFileWriter>(project.string());
+  if (config.log == LogFormat::TensorBoard) tensorboard_ = std::make_unique<obs::EventFileWriter>(project.string());
   progress_.emplace(2);  // rank 0's console
 }
 

@@ -5,7 +5,7 @@
 // bar on a terminal, one plain line per logged step elsewhere.
 #pragma once
 
-#include "replica/io/config.h"
+#include "replica/train/run_config.h"
 #include "replica/obs/progress.h"
 #include "replica/train/workload.h"
 
@@ -21,7 +21,7 @@
 namespace replica::obs {
 class EventFileWriter;
 }
-namespace replica::dist {
+namespace replica::distributed {
 class ProcessGroup;
 }
 
@@ -36,7 +36,7 @@ class StepLog {
  public:
   // Rank 0 opens project/metrics.jsonl, dropping the lines of steps after `start_step` (they
   // are redone; a fresh start is step 0), and the TensorBoard writer.
-  StepLog(const io::RunConfig& config, dist::ProcessGroup& pg, int64_t start_step, int64_t total_steps);
+  StepLog(const RunConfig& config, distributed::ProcessGroup& pg, int64_t start_step, int64_t total_steps);
   ~StepLog();
 
   TimeSplit& split() { return split_; }
@@ -54,8 +54,8 @@ class StepLog {
 
  private:
   void write(const nlohmann::json& j);
-  const io::RunConfig& config_;
-  dist::ProcessGroup& pg_;
+  const RunConfig& config_;
+  distributed::ProcessGroup& pg_;
   const int64_t total_steps_;
   const int64_t logging_steps_;
   std::ofstream metrics_;

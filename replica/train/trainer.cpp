@@ -4,7 +4,7 @@
 #include "replica/core/files.h"
 #include "replica/core/system.h"
 #include "replica/data/sampler.h"
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 #include "replica/launch/launcher.h"
 #include "replica/obs/plot.h"
 #include "replica/obs/timeline.h"
@@ -35,77 +35,9 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-nlohmann::json params_json(const io::RunConfig& c) {
-  const auto& p = c.params;
-  nlohmann::json j = {
-      {"task", c.task},
-      {"model", c.task == "llm-sft" ? c.base_model : c.model},
-      {"project_name", c.project_name},
-      {"data_path", c.data.path},
-      {"train_split", c.data.train_split},
-      {"valid_split", c.data.valid_split ? nlohmann::json(*c.data.valid_split) : nlohmann::json()},
-      {"log", c.log},
-      {"distributed_backend", p.distributed_backend},
-      {"nproc_per_node", p.nproc_per_node == 0 ? nlohmann::json("auto") : nlohmann::json(p.nproc_per_node)},
-      {"epochs", p.epochs},
-      {"max_steps", p.max_steps},
-      {"batch_size", p.batch_size},
-      {"gradient_accumulation", p.gradient_accumulation},
-      {"mixed_precision", p.mixed_precision},
-      {"optimizer", p.optimizer},
-      {"lr", p.lr},
-      {"momentum", p.momentum},
-      {"weight_decay", p.weight_decay},
-      {"warmup_steps", p.warmup_steps},
-      {"warmup_ratio", p.warmup_ratio},
-      {"scheduler", p.scheduler},
-      {"max_grad_norm", p.max_grad_norm},
-      {"shuffle", p.shuffle},
-      {"seed", p.seed},
-      {"eval_every", p.eval_every},
-      {"checkpoint_every", p.checkpoint_every},
-      {"save_total_limit", p.save_total_limit},
-      {"logging_steps", p.logging_steps},
-      {"threads_per_worker", p.threads_per_worker},
-      {"deterministic", p.deterministic},
-      {"hidden_sizes", p.hidden_sizes},
-      {"shard_optimizer", p.shard_optimizer ? nlohmann::json(*p.shard_optimizer) : nlohmann::json("auto")},
-      {"sync_batchnorm", p.sync_batchnorm},
-      {"augment", p.augment},
-      {"resnet_stem", p.resnet_stem},
-      {"embedding_dim", p.embedding_dim},
-      {"temperature", p.temperature},
-      {"top_k", p.top_k},
-  };
-  j.update(engine_params_json(p));  // the engine's own keys (ZeRO-3's)
-  // The LLM keys are kept as normalised text; written typed, as AutoTrain writes them.
-  for (const auto& [k, v] : p.extra) {
-    if (v == "true" || v == "false") {
-      j[k] = v == "true";
-      continue;
-    }
-    try {
-      size_t used = 0;
-      const long long i = std::stoll(v, &used);
-      if (used == v.size()) {
-        j[k] = i;
-        continue;
-      }
-      const double d = std::stod(v, &used);
-      if (used == v.size()) {
-        j[k] = d;
-        continue;
-      }
-    } catch (const std::exception&) {
-    }
-    j[k] = v;
-  }
-  return j;
-}
-
 // --timeline FILE (REPLICA_TIMELINE): every rank's events reach rank 0 through the process
 // group (so it works across hosts), which writes one Chrome trace.
-void write_timeline(dist::ProcessGroup& pg, const std::string& file) {
+void write_timeline(distributed::ProcessGroup& pg, const std::string& file) {
   const std::string mine = obs::Timeline::instance().take_chrome_trace_events();
   obs::Timeline::instance().disable();
   std::vector<std::string> ranks = pg.allgather_strings(mine);
@@ -117,7 +49,7 @@ void write_timeline(dist::ProcessGroup& pg, const std::string& file) {
 }
 
 // Intra-op threads: cores / workers unless the user said otherwise (PRODUCT.md).
-int worker_threads(const io::Params& p, const dist::WorldInfo& world) {
+int worker_threads(const RunParams& p, const distributed::WorldInfo& world) {
   int threads = p.threads_per_worker;
   if (threads <= 0) {
     if (auto t = env_int("REPLICA_THREADS_PER_WORKER")) threads = static_cast<int>(*t);
@@ -126,11 +58,11 @@ int worker_threads(const io::Params& p, const dist::WorldInfo& world) {
   return threads;
 }
 
-dist::ProcessGroupOptions process_group_options(const io::Params& p) {
-  dist::ProcessGroupOptions options;
+distributed::ProcessGroupOptions process_group_options(const RunParams& p) {
+  distributed::ProcessGroupOptions options;
   double rdzv_timeout = p.rdzv_timeout;
   // REPLICA_RDZV_TIMEOUT applies where the configuration left the default.
-  if (auto t = env("REPLICA_RDZV_TIMEOUT"); t && p.rdzv_timeout == io::Params{}.rdzv_timeout) {
+  if (auto t = env("REPLICA_RDZV_TIMEOUT"); t && p.rdzv_timeout == RunParams{}.rdzv_timeout) {
     try {
       rdzv_timeout = std::stod(*t);
     } catch (...) {
@@ -148,7 +80,7 @@ dist::ProcessGroupOptions process_group_options(const io::Params& p) {
 class Loop {
  public:
   // `start`: the step a resumed run continues from (-1: a fresh start).
-  Loop(const io::RunConfig& config, dist::ProcessGroup& pg, Workload& workload, ParallelEngine& engine,
+  Loop(const RunConfig& config, distributed::ProcessGroup& pg, Workload& workload, ParallelEngine& engine,
        torch::optim::Optimizer& optimizer, TrainerState& state, int64_t start)
       : config_(config),
         p_(config.params),
@@ -281,7 +213,7 @@ class Loop {
   torch::Tensor forward(const std::vector<int64_t>& indices, double item_scale, int64_t group) {
     const auto forward_start = Clock::now();
     obs::Span forward_span("forward", "compute");
-    const bool bf16 = p_.mixed_precision == "bf16";
+    const bool bf16 = p_.mixed_precision == Precision::Bf16;
     at::autocast::set_autocast_enabled(at::kCPU, bf16);
     if (bf16) at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
     torch::Tensor loss = item_scale > 0 ? workload_.train_loss_sum(indices).to(torch::kFloat) * item_scale
@@ -306,9 +238,9 @@ class Loop {
     if (!line.is_null()) state_.log_history.push_back(line);
   }
 
-  const io::RunConfig& config_;
-  const io::Params& p_;
-  dist::ProcessGroup& pg_;
+  const RunConfig& config_;
+  const RunParams& p_;
+  distributed::ProcessGroup& pg_;
   Workload& workload_;
   ParallelEngine& engine_;
   torch::optim::Optimizer& optimizer_;
@@ -321,9 +253,9 @@ class Loop {
 
 }  // namespace
 
-int run_worker(const io::RunConfig& config) {
+int run_worker(const RunConfig& config) {
   const auto& p = config.params;
-  const dist::WorldInfo world = dist::world_from_env().value_or(dist::WorldInfo{});
+  const distributed::WorldInfo world = distributed::world_from_env().value_or(distributed::WorldInfo{});
   // A failure is recorded in the project, one file per rank, whoever started the workers
   // (replica's launcher may keep its own copy elsewhere; mpirun and Slurm keep none).
   if (world.is_distributed()) {
@@ -336,7 +268,7 @@ int run_worker(const io::RunConfig& config) {
   keep_freed_memory_in_process();
   if (p.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
 
-  auto pg = dist::init_process_group(world, process_group_options(p));
+  auto pg = distributed::init_process_group(world, process_group_options(p));
   const bool main = pg->rank() == 0;
   // params.timeline (--timeline FILE), or REPLICA_TIMELINE for programs that run the trainer
   // without a config of their own; relative to the directory the run was started in.
@@ -344,12 +276,12 @@ int run_worker(const io::RunConfig& config) {
   if (!p.timeline.empty()) timeline_file = p.timeline;
   if (timeline_file) obs::Timeline::instance().enable(pg->rank());
   if (main) {
-    spdlog::info("replica: task {} on {} worker{} ({} thread{} each), backend {}", config.task, pg->size(),
-                 pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s", p.distributed_backend);
+    spdlog::info("replica: task {} on {} worker{} ({} thread{} each), backend {}", name_of(config.task), pg->size(),
+                 pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s", name_of(p.distributed_backend));
   }
 
   torch::manual_seed(static_cast<uint64_t>(p.seed));
-  auto workload = make_workload(config, pg);
+  auto workload = make_workload(config, WorkloadContext{pg, world, threads, torch::kCPU});
   auto engine = make_engine(p, workload->model(), pg);
   auto optimizer = make_optimizer(OptimizerSpec{p.optimizer, p.lr, p.momentum, p.weight_decay}, engine->parameters());
 
@@ -363,8 +295,8 @@ int run_worker(const io::RunConfig& config) {
   const fs::path project(config.project_name);
   if (main) {
     fs::create_directories(project);
-    write_file_atomically((project / "config.yaml").string(), io::to_yaml(config));
-    write_file_atomically((project / "training_params.json").string(), params_json(config).dump(2) + "\n");
+    write_file_atomically((project / "config.yaml").string(), to_yaml(config));
+    write_file_atomically((project / "training_params.json").string(), training_params_json(config));
   }
   const auto run_start = Clock::now();
   Loop loop(config, *pg, *workload, *engine, *optimizer, state, start);
@@ -396,8 +328,8 @@ int run_worker(const io::RunConfig& config) {
   return 0;
 }
 
-int run(const io::RunConfig& config, const std::vector<std::string>& self_argv) {
-  if (dist::world_from_env()) return run_worker(config);  // started by a launcher
+int run(const RunConfig& config, const std::vector<std::string>& self_argv) {
+  if (distributed::world_from_env()) return run_worker(config);  // started by a launcher
   check_workload_config(config);  // what can be refused before any worker starts
   const int nproc = config.params.nproc_per_node == 0
                         ? launch::resolve_nproc("auto")

@@ -20,7 +20,7 @@
 // process-wide timeline); call it from the main thread.
 #pragma once
 
-#include "replica/io/config.h"
+#include "replica/train/run_config.h"
 
 #include <torch/types.h>
 
@@ -30,9 +30,9 @@
 namespace replica::train {
 
 // self_argv: the arguments that re-run this command (used to start workers).
-int run(const io::RunConfig& config, const std::vector<std::string>& self_argv);
+int run(const RunConfig& config, const std::vector<std::string>& self_argv);
 
 // One worker of the job (world from the environment, or a single process).
-int run_worker(const io::RunConfig& config);
+int run_worker(const RunConfig& config);
 
 }  // namespace replica::train

@@ -17,7 +17,8 @@
 // Evaluation: each validation interaction is a query (its user) with one relevant item,
 // ranked against every item of the catalogue: eval_recall_at_K, eval_ndcg_at_K, eval_accuracy
 // (the relevant item ranked first) and eval_loss (full-softmax cross-entropy).
-#include "replica/train/two_tower.h"
+#include "replica/train/task.h"
+#include "replica/train/workload.h"
 
 #include "replica/core/error.h"
 #include "replica/data/mds.h"
@@ -39,7 +40,7 @@ namespace {
 // machine holds, so it is refused with the line that holds it instead.
 constexpr int64_t kMaxId = std::numeric_limits<int32_t>::max();
 
-std::string column_or(const io::RunConfig& config, const char* key, const char* fallback) {
+std::string column_or(const RunConfig& config, const char* key, const char* fallback) {
   auto it = config.data.column_mapping.find(key);
   return it == config.data.column_mapping.end() ? fallback : it->second;
 }
@@ -58,7 +59,7 @@ struct SplitSource {
   std::string path;
 };
 
-SplitSource find_split(const io::RunConfig& config, const std::string& split) {
+SplitSource find_split(const RunConfig& config, const std::string& split) {
   const fs::path base(config.data.path);
   const bool is_train = split == config.data.train_split;
   std::error_code ec;
@@ -218,7 +219,7 @@ Interactions read_records_split(const std::string& file, ColumnNames& names, boo
   return out;
 }
 
-Interactions read_split(const io::RunConfig& config, const std::string& split, ColumnNames& names, bool discover) {
+Interactions read_split(const RunConfig& config, const std::string& split, ColumnNames& names, bool discover) {
   const SplitSource source = find_split(config, split);
   Interactions out =
       source.mds ? read_mds_split(source.path, names, discover) : read_records_split(source.path, names, discover);
@@ -226,7 +227,7 @@ Interactions read_split(const io::RunConfig& config, const std::string& split, C
   return out;
 }
 
-ColumnNames id_columns(const io::RunConfig& config) {
+ColumnNames id_columns(const RunConfig& config) {
   ColumnNames names;
   names.user = column_or(config, "user_column", "user_id");
   names.item = column_or(config, "item_column", "item_id");
@@ -235,8 +236,8 @@ ColumnNames id_columns(const io::RunConfig& config) {
 
 class TwoTowerWorkload final : public Workload {
  public:
-  TwoTowerWorkload(const io::RunConfig& config, std::shared_ptr<dist::ProcessGroup> pg)
-      : pg_(std::move(pg)), temperature_(config.params.temperature), top_k_(config.params.top_k) {
+  TwoTowerWorkload(const RunConfig& config, const WorkloadContext& context)
+      : pg_(context.pg), temperature_(config.two_tower.temperature), top_k_(config.two_tower.top_k) {
     ColumnNames names = id_columns(config);
     train_ = read_split(config, config.data.train_split, names, /*discover=*/true);
     if (config.data.valid_split) valid_ = read_split(config, *config.data.valid_split, names, /*discover=*/false);
@@ -255,9 +256,9 @@ class TwoTowerWorkload final : public Workload {
     o.num_items = vocab(item_column_);
     for (const auto& f : user_features_) o.user_feature_vocab.push_back(vocab(f));
     for (const auto& f : item_features_) o.item_feature_vocab.push_back(vocab(f));
-    o.embedding_dim = config.params.embedding_dim;
-    o.output_dim = config.params.embedding_dim;
-    o.hidden_sizes = config.params.hidden_sizes;
+    o.embedding_dim = config.two_tower.embedding_dim;
+    o.output_dim = config.two_tower.embedding_dim;
+    o.hidden_sizes = config.two_tower.hidden_sizes;
     model_ = models::TwoTower(o);
 
     // The catalogue: every item's features (the last value seen; items never seen keep 0).
@@ -342,7 +343,7 @@ class TwoTowerWorkload final : public Workload {
     return torch::stack(cols, 1);
   }
 
-  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::shared_ptr<distributed::ProcessGroup> pg_;
   double temperature_;
   int64_t top_k_;
   std::string user_column_, item_column_;
@@ -354,11 +355,9 @@ class TwoTowerWorkload final : public Workload {
 
 }  // namespace
 
-std::unique_ptr<Workload> make_two_tower(const io::RunConfig& config, std::shared_ptr<dist::ProcessGroup> pg) {
-  return std::make_unique<TwoTowerWorkload>(config, std::move(pg));
-}
-
-void check_two_tower_config(const io::RunConfig& config) {
+// Checks made before any worker starts: every split has data (an MDS index with the id
+// columns the configuration names, or a JSONL/CSV file whose every line holds valid ids).
+void check_two_tower_config(const RunConfig& config) {
   // MDS: the index and the id columns (reading every sample is left to the workers); JSONL:
   // every line, so that a bad value is reported with its line before any worker starts.
   ColumnNames names = id_columns(config);
@@ -372,6 +371,32 @@ void check_two_tower_config(const io::RunConfig& config) {
       read_records_split(source.path, names, discover);
     }
   }
+}
+
+TaskSpec two_tower_task() {
+  TaskSpec t;
+  t.task = Task::TwoTower;
+  t.summary = "a two-tower recommender (user and item towers, in-batch softmax) on MDS shards or JSONL";
+  t.models = {"two-tower"};
+  const auto tt = &RunConfig::two_tower;
+  using T = TwoTowerParams;
+  t.keys = {
+      key("hidden_sizes", tt, &T::hidden_sizes, "widths of each tower's hidden layers").group("Model"),
+      key("embedding_dim", tt, &T::embedding_dim, "id and feature embeddings; also each tower's output")
+          .group("Model")
+          .at_least(1),
+      key("temperature", tt, &T::temperature, "in-batch softmax temperature").group("Model").positive(),
+      key("top_k", tt, &T::top_k, "k of eval_recall_at_k and eval_ndcg_at_k").group("Model").at_least(1),
+  };
+  t.defaults = [](RunConfig& c) {
+    c.data.valid_split = "valid";  // the split directories `replica mds synthetic` writes
+    c.params.batch_size = 128;     // in-batch negatives: a larger batch, more negatives
+  };
+  t.check = check_two_tower_config;
+  t.make = [](const RunConfig& config, const WorkloadContext& context) -> std::unique_ptr<Workload> {
+    return std::make_unique<TwoTowerWorkload>(config, context);
+  };
+  return t;
 }
 
 }  // namespace replica::train

@@ -3,9 +3,7 @@
 
 #include "replica/core/error.h"
 #include "replica/core/files.h"
-#include "replica/train/image_classification.h"
-#include "replica/train/llm_sft.h"
-#include "replica/train/two_tower.h"
+#include "replica/train/task.h"
 
 #include <torch/torch.h>
 
@@ -52,17 +50,12 @@ void Workload::save_final(const std::string& final_dir) {
 }
 
 
-std::unique_ptr<Workload> make_workload(const io::RunConfig& config, std::shared_ptr<dist::ProcessGroup> pg) {
-  if (config.task == "image-classification") return make_image_classification(config, std::move(pg));
-  if (config.task == "llm-sft") return make_llm_sft(config);
-  if (config.task == "two-tower") return make_two_tower(config, std::move(pg));
-  fail("task '{}' is not available in this build yet (available: image-classification, llm-sft, two-tower)",
-       config.task);
+std::unique_ptr<Workload> make_workload(const RunConfig& config, const WorkloadContext& context) {
+  return task_spec(config.task).make(config, context);
 }
 
-void check_workload_config(const io::RunConfig& config) {
-  if (config.task == "llm-sft") check_llm_sft_config(config);
-  if (config.task == "two-tower") check_two_tower_config(config);
+void check_workload_config(const RunConfig& config) {
+  if (const auto check = task_spec(config.task).check) check(config);
 }
 
 }  // namespace replica::train

@@ -4,8 +4,9 @@
 // without touching the loop.
 #pragma once
 
-#include "replica/dist/process_group.h"
-#include "replica/io/config.h"
+#include "replica/distributed/process_group.h"
+#include "replica/distributed/world.h"
+#include "replica/train/run_config.h"
 #include "replica/io/safetensors.h"
 
 #include <nlohmann/json.hpp>
@@ -18,6 +19,17 @@
 #include <vector>
 
 namespace replica::train {
+
+// What a workload is handed about the worker it runs in, instead of reading the environment.
+struct WorkloadContext {
+  // Null in a world of one; for workloads whose forward pass communicates (SyncBatchNorm,
+  // in-batch negatives across ranks).
+  std::shared_ptr<distributed::ProcessGroup> pg;
+  distributed::WorldInfo world;  // rank, world size, this host's workers
+  int threads = 1;               // intra-op threads of this worker
+  torch::Device device = torch::kCPU;
+  bool is_main() const { return world.rank == 0; }  // reports on the data, writes final/
+};
 
 struct EvalSums {
   double loss_sum = 0;   // summed over samples (or over tokens when `tokens` > 0)
@@ -77,14 +89,11 @@ class Workload {
   virtual void load_rng_state(const io::NamedTensors& tensors, const std::string& where) {}
 };
 
-// The workload `config.task` names; replica::Error for a task this build cannot run.
-// `pg` (may be null: a world of one) is for workloads whose forward pass communicates
-// (SyncBatchNorm, in-batch negatives across ranks).
-std::unique_ptr<Workload> make_workload(const io::RunConfig& config,
-                                        std::shared_ptr<dist::ProcessGroup> pg = nullptr);
+// The workload of `config.task` (its TaskSpec's factory, task.h).
+std::unique_ptr<Workload> make_workload(const RunConfig& config, const WorkloadContext& context);
 
-// Checks of a task's configuration that need no worker (files, unsupported features such as
-// quantization or ZeRO-3), made before any worker starts; replica::Error naming the key.
-void check_workload_config(const io::RunConfig& config);
+// The task's checks that need no worker (files, unsupported features such as quantization),
+// made before any worker starts; replica::Error naming the key.
+void check_workload_config(const RunConfig& config);
 
 }  // namespace replica::train

@@ -1,7 +1,7 @@
 #include "replica/zero/zero3.h"
 
 #include "replica/core/error.h"
-#include "replica/dist/grad_norm.h"
+#include "replica/distributed/grad_norm.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -19,7 +19,7 @@ struct Zero3::Group {
   c10::Storage storage;               // N * S elements of info.dtype; 0 bytes when released
   torch::Tensor master;               // [S] fp32, this worker's slice
   bool gathered = false;
-  dist::Work in_flight;               // a gather launched ahead of use (prefetch)
+  distributed::Work in_flight;               // a gather launched ahead of use (prefetch)
   size_t pending = 0;                 // trainable parameters without a gradient this backward
   bool reduced = false;
   int64_t full_bytes() const { return info.shard * pg_size * static_cast<int64_t>(c10::elementSize(info.dtype)); }
@@ -63,7 +63,7 @@ struct PreBackward : torch::autograd::Function<PreBackward> {
   }
 };
 
-Zero3::Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<dist::ProcessGroup> process_group,
+Zero3::Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distributed::ProcessGroup> process_group,
              Zero3Options options)
     : model_(std::move(model)), pg_(std::move(process_group)), options_(options) {
   torch::NoGradGuard no_grad;
@@ -214,7 +214,7 @@ void Zero3::release(Group& g) {
   if (!g.gathered || g.info.persistent) return;
   if (g.in_flight.valid()) {
     g.in_flight.wait();
-    g.in_flight = dist::Work();
+    g.in_flight = distributed::Work();
   }
   resize_storage(g.storage, 0);
   g.gathered = false;
@@ -245,7 +245,7 @@ void Zero3::before(torch::nn::Module& layer) {
     Group& g = *groups_[k];
     if (g.in_flight.valid()) {
       g.in_flight.wait();
-      g.in_flight = dist::Work();
+      g.in_flight = distributed::Work();
     }
   }
 }
@@ -298,7 +298,7 @@ void Zero3::pre_backward(int64_t layer) {
     Group& g = *groups_[k];
     if (g.in_flight.valid()) {
       g.in_flight.wait();
-      g.in_flight = dist::Work();
+      g.in_flight = distributed::Work();
     }
   }
 }
@@ -323,7 +323,7 @@ void Zero3::reduce(Group& g) {
   torch::Tensor& master_grad = g.master.mutable_grad();
   if (!master_grad.defined()) master_grad = torch::zeros_like(g.master);
   std::vector<torch::Tensor> grads(g.params.size());
-  std::vector<dist::Work> works(g.params.size());
+  std::vector<distributed::Work> works(g.params.size());
   int64_t grad_bytes = 0;
   for (size_t i = 0; i < g.params.size(); ++i) {
     torch::Tensor& grad = g.params[i].mutable_grad();
@@ -381,7 +381,7 @@ double Zero3::clip_grad_norm(double max_norm) {
   for (auto& g : groups_) {
     if (g->info.trainable) grads.push_back(g->master.grad());
   }
-  return dist::clip_grad_norm(grads, max_norm, pg_.get());
+  return distributed::clip_grad_norm(grads, max_norm, pg_.get());
 }
 
 void Zero3::after_step() {
@@ -400,7 +400,7 @@ void Zero3::after_step() {
   for (auto& g : groups_) {
     if (g->in_flight.valid()) {
       g->in_flight.wait();
-      g->in_flight = dist::Work();
+      g->in_flight = distributed::Work();
     }
   }
 }
@@ -411,7 +411,7 @@ void Zero3::gather_all() {
   for (auto& g : groups_) {
     if (g->in_flight.valid()) {
       g->in_flight.wait();
-      g->in_flight = dist::Work();
+      g->in_flight = distributed::Work();
     }
   }
 }

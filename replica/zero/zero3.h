@@ -46,7 +46,7 @@
 //   zero.after_step();                    // persistent groups take the new values
 #pragma once
 
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 #include "replica/io/safetensors.h"
 #include "replica/models/layer_hooks.h"
 
@@ -85,7 +85,7 @@ struct MemoryStats {
 
 class Zero3 : private models::LayerHooks {
  public:
-  Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<dist::ProcessGroup> process_group,
+  Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distributed::ProcessGroup> process_group,
         Zero3Options options = {});
   ~Zero3() override;
   Zero3(const Zero3&) = delete;
@@ -131,7 +131,7 @@ class Zero3 : private models::LayerHooks {
   std::vector<GroupInfo> groups() const;
 
   MemoryStats memory() const;
-  dist::ProcessGroup& process_group() { return *pg_; }
+  distributed::ProcessGroup& process_group() { return *pg_; }
   torch::nn::Module& module() { return *model_; }
 
  private:
@@ -151,7 +151,7 @@ class Zero3 : private models::LayerHooks {
 
   std::shared_ptr<torch::nn::Module> model_;
   models::HookedLayers* hooked_ = nullptr;
-  std::shared_ptr<dist::ProcessGroup> pg_;
+  std::shared_ptr<distributed::ProcessGroup> pg_;
   Zero3Options options_;
   std::vector<std::unique_ptr<Group>> groups_;
   std::vector<torch::nn::Module*> layers_;             // hooked layers, forward order

@@ -7,7 +7,7 @@
 #include "replica/testing/launch_scenario.h"
 #include "replica/ddp/ddp.h"
 #include "replica/ddp/sync_batchnorm.h"
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 #include "replica/launch/launcher.h"
 
 #include <gtest/gtest.h>
@@ -72,10 +72,10 @@ double max_abs_diff(torch::nn::Module& a, torch::nn::Module& b) {
   return worst;
 }
 
-std::shared_ptr<replica::dist::ProcessGroup> group() {
-  auto world = replica::dist::world_from_env();
+std::shared_ptr<replica::distributed::ProcessGroup> group() {
+  auto world = replica::distributed::world_from_env();
   if (!world) replica::fail("worker started without RANK/WORLD_SIZE");
-  return replica::dist::init_process_group(*world);
+  return replica::distributed::init_process_group(*world);
 }
 
 int check(bool ok, const std::string& what) {
@@ -255,7 +255,7 @@ int comm_hooks() {
     if (kind == "custom") {
       // A user hook: sum with the default hook, record the bucket order.
       auto inner = replica::ddp::allreduce_average_hook();
-      ddp.register_comm_hook([&seen, inner](replica::dist::ProcessGroup& g, replica::ddp::GradBucket& b) {
+      ddp.register_comm_hook([&seen, inner](replica::distributed::ProcessGroup& g, replica::ddp::GradBucket& b) {
         seen.push_back(b.index);
         return inner(g, b);
       });
@@ -404,7 +404,7 @@ TEST(DDPMultiProcess, SyncBatchNormWorld2EqualsBatchNormOnTheGlobalBatch) {
 TEST(DDPMultiProcess, CompressionAndUserCommHooks) { EXPECT_EQ(launch_scenario("comm_hooks", 2), 0); }
 
 TEST(DDP, WorldOfOneInstallsNothingAndTrainsPlainly) {
-  auto pg = replica::dist::init_process_group(replica::dist::WorldInfo{});
+  auto pg = replica::distributed::init_process_group(replica::distributed::WorldInfo{});
   torch::manual_seed(0);
   Net model;
   DistributedDataParallel ddp(model.ptr(), pg);

@@ -6,7 +6,7 @@
 #include "replica/core/error.h"
 #include "replica/testing/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
-#include "replica/io/config.h"
+#include "replica/train/run_config.h"
 #include "replica/io/safetensors.h"
 
 #include <arpa/inet.h>
@@ -381,10 +381,12 @@ TEST_F(EndToEnd, UnknownKeyIsAnErrorWithASuggestion) {
   EXPECT_LT(r.seconds, 10.0);
   EXPECT_FALSE(fs::exists(dir_ / "project")) << "nothing may be written for a bad config";
 
-  // The same through a command-line override.
+  // The same through a command-line override: the flag as typed and the nearest valid one.
   const fs::path good = write_config("good");
   const Result f = replica({"--config", good.string(), "--lrr", "0.1"});
-  expect_single_error_line(f, {"lrr", "did you mean 'lr'"});
+  expect_single_error_line(f, {"unknown flag --lrr", "did you mean --lr?"});
+  const Result g = replica({"--config", good.string(), "--lerning-rate", "0.1"});
+  expect_single_error_line(g, {"unknown flag --lerning-rate", "did you mean --lr?"});
 }
 
 // A command line CLI11 cannot parse exits 1, as every other error does (CLI11's own code for
@@ -404,7 +406,7 @@ TEST_F(EndToEnd, SplitFlagsAfterConfigGoToTheDataSection) {
   const Result r = replica({"--config", cfg.string(), "--project-name", p.string(), "--valid-split", "t10k",
                             "--max-steps", "2"});
   ASSERT_EQ(r.exit_code, 0) << r;
-  const auto resolved = replica::io::parse_config(read_file(p / "config.yaml"), (p / "config.yaml").string());
+  const auto resolved = replica::train::parse_config(read_file(p / "config.yaml"), (p / "config.yaml").string());
   ASSERT_TRUE(resolved.data.valid_split.has_value());
   EXPECT_EQ(*resolved.data.valid_split, "t10k");
   EXPECT_EQ(resolved.data.train_split, "train");
@@ -605,12 +607,12 @@ TEST_F(EndToEnd, RunLeavesTheDocumentedArtifacts) {
   // config.yaml: the resolved configuration, readable back as the same run.
   ASSERT_TRUE(fs::is_regular_file(p / "config.yaml"));
   const std::string config_text = read_file(p / "config.yaml");
-  const auto resolved = replica::io::parse_config(config_text, (p / "config.yaml").string());
+  const auto resolved = replica::train::parse_config(config_text, (p / "config.yaml").string());
   EXPECT_EQ(resolved.params.max_steps, 20);
   EXPECT_EQ(resolved.params.batch_size, 32);
-  EXPECT_EQ(resolved.params.optimizer, "sgd");
+  EXPECT_EQ(resolved.params.optimizer, replica::train::OptimizerKind::Sgd);
   EXPECT_EQ(resolved.params.checkpoint_every, 10);
-  EXPECT_EQ(resolved.params.hidden_sizes, (std::vector<int64_t>{64}));
+  EXPECT_EQ(resolved.image.hidden_sizes, (std::vector<int64_t>{64}));
   EXPECT_EQ(resolved.project_name, p.string());
   ASSERT_TRUE(resolved.data.valid_split.has_value());
   EXPECT_EQ(*resolved.data.valid_split, "t10k");

@@ -64,7 +64,7 @@ void expect_equal_params(const Trainable& a, const Trainable& b) {
 }
 
 // Trains `steps`, exports, loads into a fresh optimizer over a copy, steps both once more.
-void check_round_trip(const std::string& kind, int steps,
+void check_round_trip(replica::train::OptimizerKind kind, int steps,
                       const std::function<std::unique_ptr<torch::optim::Optimizer>(const std::vector<torch::Tensor>&)>& make,
                       const std::vector<std::string>& expected_fields) {
   torch::manual_seed(0);
@@ -116,20 +116,20 @@ void check_round_trip(const std::string& kind, int steps,
 }
 
 TEST(OptimizerState, SgdMomentumRoundTrip) {
-  OptimizerSpec spec{"sgd", 0.1, 0.9, 0.01};
-  check_round_trip("sgd", 3, [&](const auto& p) { return replica::train::make_optimizer(spec, p); },
+  OptimizerSpec spec{replica::train::OptimizerKind::Sgd, 0.1, 0.9, 0.01};
+  check_round_trip(replica::train::OptimizerKind::Sgd, 3, [&](const auto& p) { return replica::train::make_optimizer(spec, p); },
                    {"momentum_buffer"});
 }
 
 TEST(OptimizerState, AdamwRoundTrip) {
-  OptimizerSpec spec{"adamw", 0.01, 0.0, 0.05};
-  check_round_trip("adamw", 4, [&](const auto& p) { return replica::train::make_optimizer(spec, p); },
+  OptimizerSpec spec{replica::train::OptimizerKind::AdamW, 0.01, 0.0, 0.05};
+  check_round_trip(replica::train::OptimizerKind::AdamW, 4, [&](const auto& p) { return replica::train::make_optimizer(spec, p); },
                    {"step", "exp_avg", "exp_avg_sq"});
 }
 
 TEST(OptimizerState, AdamwAmsgradRoundTrip) {
   check_round_trip(
-      "adamw", 3,
+      replica::train::OptimizerKind::AdamW, 3,
       [](const std::vector<torch::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
         return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(0.01).amsgrad(true));
       },
@@ -139,22 +139,22 @@ TEST(OptimizerState, AdamwAmsgradRoundTrip) {
 TEST(OptimizerState, AdamwStepCountIsExported) {
   torch::manual_seed(0);
   Trainable a;
-  auto opt = replica::train::make_optimizer({"adamw", 0.01, 0.0, 0.0}, a.params);
+  auto opt = replica::train::make_optimizer({replica::train::OptimizerKind::AdamW, 0.01, 0.0, 0.0}, a.params);
   for (int i = 0; i < 3; ++i) train_step(a, *opt, i);
-  for (const auto& [name, t] : replica::train::optimizer_state(*opt, "adamw", a.params, a.names)) {
+  for (const auto& [name, t] : replica::train::optimizer_state(*opt, replica::train::OptimizerKind::AdamW, a.params, a.names)) {
     if (name.size() > 5 && name.substr(name.size() - 5) == ".step") EXPECT_EQ(t.item<int64_t>(), 3) << name;
   }
 }
 
 TEST(OptimizerState, FreshOptimizerHasNoStateAndLoadsNone) {
   Trainable a;
-  auto opt = replica::train::make_optimizer({"sgd", 0.1, 0.9, 0.0}, a.params);
-  const auto state = replica::train::optimizer_state(*opt, "sgd", a.params, a.names);
+  auto opt = replica::train::make_optimizer({replica::train::OptimizerKind::Sgd, 0.1, 0.9, 0.0}, a.params);
+  const auto state = replica::train::optimizer_state(*opt, replica::train::OptimizerKind::Sgd, a.params, a.names);
   EXPECT_TRUE(state.empty());
-  EXPECT_NO_THROW(replica::train::load_optimizer_state(*opt, "sgd", a.params, a.names, state));
+  EXPECT_NO_THROW(replica::train::load_optimizer_state(*opt, replica::train::OptimizerKind::Sgd, a.params, a.names, state));
 }
 
-replica::io::NamedTensors trained_state(const std::string& kind, Trainable& a) {
+replica::io::NamedTensors trained_state(replica::train::OptimizerKind kind, Trainable& a) {
   auto opt = replica::train::make_optimizer({kind, 0.1, 0.9, 0.0}, a.params);
   for (int i = 0; i < 2; ++i) train_step(a, *opt, i);
   auto s = replica::train::optimizer_state(*opt, kind, a.params, a.names);
@@ -163,8 +163,8 @@ replica::io::NamedTensors trained_state(const std::string& kind, Trainable& a) {
 }
 
 TEST(OptimizerState, ShapeMismatchIsAnError) {
-  for (const std::string kind : {"sgd", "adamw"}) {
-    SCOPED_TRACE(kind);
+  for (const auto kind : {replica::train::OptimizerKind::Sgd, replica::train::OptimizerKind::AdamW}) {
+    SCOPED_TRACE(replica::train::name_of(kind));
     torch::manual_seed(0);
     Trainable a;
     auto state = trained_state(kind, a);
@@ -186,7 +186,7 @@ TEST(OptimizerState, ShapeMismatchIsAnError) {
 TEST(OptimizerState, StateOfAnotherModelIsAnError) {
   torch::manual_seed(0);
   Trainable a;
-  auto state = trained_state("sgd", a);
+  auto state = trained_state(replica::train::OptimizerKind::Sgd, a);
   // Another model with a parameter of another shape under the same name.
   struct Wider : torch::nn::Module {
     Wider() {
@@ -200,13 +200,13 @@ TEST(OptimizerState, StateOfAnotherModelIsAnError) {
     params.push_back(item.value());
     names.push_back(item.key());
   }
-  auto opt = replica::train::make_optimizer({"sgd", 0.1, 0.9, 0.0}, params);
-  EXPECT_THROW(replica::train::load_optimizer_state(*opt, "sgd", params, names, state), replica::Error);
+  auto opt = replica::train::make_optimizer({replica::train::OptimizerKind::Sgd, 0.1, 0.9, 0.0}, params);
+  EXPECT_THROW(replica::train::load_optimizer_state(*opt, replica::train::OptimizerKind::Sgd, params, names, state), replica::Error);
 }
 
 TEST(OptimizerState, UnknownNamesAreAnError) {
-  for (const std::string kind : {"sgd", "adamw"}) {
-    SCOPED_TRACE(kind);
+  for (const auto kind : {replica::train::OptimizerKind::Sgd, replica::train::OptimizerKind::AdamW}) {
+    SCOPED_TRACE(replica::train::name_of(kind));
     torch::manual_seed(0);
     Trainable a;
     auto state = trained_state(kind, a);
@@ -228,23 +228,18 @@ TEST(OptimizerState, UnknownNamesAreAnError) {
 TEST(OptimizerState, StateOfAnotherOptimizerIsAnError) {
   torch::manual_seed(0);
   Trainable a;
-  auto sgd_state = trained_state("sgd", a);
+  auto sgd_state = trained_state(replica::train::OptimizerKind::Sgd, a);
   Trainable b;
-  auto adamw = replica::train::make_optimizer({"adamw", 0.1, 0.9, 0.0}, b.params);
-  EXPECT_THROW(replica::train::load_optimizer_state(*adamw, "adamw", b.params, b.names, sgd_state), replica::Error);
-  auto adamw_state = trained_state("adamw", a);
-  auto sgd = replica::train::make_optimizer({"sgd", 0.1, 0.9, 0.0}, b.params);
-  EXPECT_THROW(replica::train::load_optimizer_state(*sgd, "sgd", b.params, b.names, adamw_state), replica::Error);
-}
-
-TEST(OptimizerState, UnknownOptimizerNameIsAnError) {
-  Trainable a;
-  EXPECT_THROW(replica::train::make_optimizer({"lion", 0.1, 0.9, 0.0}, a.params), replica::Error);
+  auto adamw = replica::train::make_optimizer({replica::train::OptimizerKind::AdamW, 0.1, 0.9, 0.0}, b.params);
+  EXPECT_THROW(replica::train::load_optimizer_state(*adamw, replica::train::OptimizerKind::AdamW, b.params, b.names, sgd_state), replica::Error);
+  auto adamw_state = trained_state(replica::train::OptimizerKind::AdamW, a);
+  auto sgd = replica::train::make_optimizer({replica::train::OptimizerKind::Sgd, 0.1, 0.9, 0.0}, b.params);
+  EXPECT_THROW(replica::train::load_optimizer_state(*sgd, replica::train::OptimizerKind::Sgd, b.params, b.names, adamw_state), replica::Error);
 }
 
 TEST(OptimizerState, SetLearningRateAppliesToEveryGroup) {
   Trainable a;
-  auto opt = replica::train::make_optimizer({"sgd", 0.1, 0.9, 0.0}, a.params);
+  auto opt = replica::train::make_optimizer({replica::train::OptimizerKind::Sgd, 0.1, 0.9, 0.0}, a.params);
   replica::train::set_learning_rate(*opt, 0.025);
   for (auto& g : opt->param_groups()) EXPECT_DOUBLE_EQ(g.options().get_lr(), 0.025);
 }

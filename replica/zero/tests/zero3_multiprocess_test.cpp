@@ -7,7 +7,7 @@
 #include "replica/testing/launch_scenario.h"
 #include "replica/core/system.h"
 #include "replica/ddp/ddp.h"
-#include "replica/dist/process_group.h"
+#include "replica/distributed/process_group.h"
 #include "replica/io/safetensors.h"
 #include "replica/launch/launcher.h"
 #include "replica/models/llama.h"
@@ -95,7 +95,7 @@ struct Setup {
 };
 
 // Trains a ZeRO-3 copy and a DDP copy side by side; returns the max abs difference.
-double train_both(const Setup& s, std::shared_ptr<replica::dist::ProcessGroup> pg,
+double train_both(const Setup& s, std::shared_ptr<replica::distributed::ProcessGroup> pg,
                   const std::string& optimizer, int steps, int accumulation, double max_grad_norm,
                   Zero3Options zopt, std::unique_ptr<Zero3>* keep = nullptr,
                   std::shared_ptr<torch::nn::Module>* zero_model_out = nullptr,
@@ -134,7 +134,7 @@ double train_both(const Setup& s, std::shared_ptr<replica::dist::ProcessGroup> p
       const double torch_norm = torch::nn::utils::clip_grad_norm_(ddp_params, 1e30);
       // ...and the clipping replica's DDP does (the trainer's). Not torch's clip_grad_norm_:
       // since LibTorch 2.x it computes the clip coefficient in float32 (1.13: double), an
-      // ulp that AdamW magnifies past 1e-5 in 20 steps; both engines share dist::clip_grad_norm.
+      // ulp that AdamW magnifies past 1e-5 in 20 steps; both engines share distributed::clip_grad_norm.
       const double dn = ddp.clip_grad_norm(max_grad_norm);
       if (std::abs(zn - dn) > 1e-4 * std::max(1.0, dn)) fail("step {}: global norm {} vs DDP {}", step, zn, dn);
       if (std::abs(zn - torch_norm) > 1e-4 * std::max(1.0, torch_norm)) {
@@ -207,10 +207,10 @@ Setup llama_setup(bool lora, bool tied) {
   return s;
 }
 
-std::shared_ptr<replica::dist::ProcessGroup> group() {
-  auto world = replica::dist::world_from_env();
+std::shared_ptr<replica::distributed::ProcessGroup> group() {
+  auto world = replica::distributed::world_from_env();
   if (!world) fail("not started by a launcher");
-  return replica::dist::init_process_group(*world);
+  return replica::distributed::init_process_group(*world);
 }
 
 void expect_close(double diff, const std::string& what, int rank) {
@@ -377,7 +377,7 @@ TEST(Zero3MultiProcess, ShardsConsolidateAndReshard) {
   }
   torch::manual_seed(0);
   auto model = replica::models::MLP(20, {37, 29}, 10).ptr();
-  auto pg = std::make_shared<replica::dist::ProcessGroup>(replica::dist::WorldInfo{});
+  auto pg = std::make_shared<replica::distributed::ProcessGroup>(replica::distributed::WorldInfo{});
   Zero3 zero(model, pg, sharded_everything());
   auto slice = replica::zero::load_shards((dir / "zero").string(), 0, 1);
   zero.load_shards(slice.masters, "test");

@@ -1,0 +1,410 @@
+// The key tables' machinery: how one `params:` key is declared once and read, checked,
+// written, compared and explained from that one declaration.
+//
+//   key("lora_r", &RunConfig::llm, &LlmParams::lora_r, "LoRA rank").at_least(1)
+//
+// binds the name to its field; the field's C++ type picks how a value is read from YAML or a
+// flag (Codec below: integers, numbers, true/false, text, lists, the enumerations of
+// run_config.h), and the modifiers add aliases, checks and help. Messages follow one form:
+// "FILE:LINE: key 'params.lora_r' must be >= 1, got 0".
+#pragma once
+
+#include "replica/core/error.h"
+#include "replica/train/run_config.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace replica::train {
+
+// Where each key was written (FILE:LINE, or the flag that set it), so that messages name it.
+class KeyLocation {
+ public:
+  KeyLocation(std::string source, bool has_lines) : source_(std::move(source)), has_lines_(has_lines) {}
+  void note(const std::string& key, const YAML::Node& key_node) {
+    if (has_lines_ && !key_node.Mark().is_null()) origins_[key] = fmt::format("{}:{}: ", source_, key_node.Mark().line + 1);
+  }
+  // A key set by a flag after the file was read: "--max-steps: " in messages.
+  void note_flag(const std::string& key, const std::string& flag) { origins_[key] = flag + ": "; }
+  bool has(const std::string& key) const { return origins_.count(key) > 0; }
+  // "FILE:LINE: " where the key was written, "--flag: ", "FILE: " or "" (a config built in code).
+  std::string where(const std::string& key) const {
+    auto it = origins_.find(key);
+    if (it != origins_.end()) return it->second;
+    return source_.empty() ? "" : source_ + ": ";
+  }
+  std::string at(const YAML::Node& node) const {
+    if (!has_lines_ || node.Mark().is_null()) return source_.empty() ? "" : source_ + ": ";
+    return fmt::format("{}:{}: ", source_, node.Mark().line + 1);
+  }
+
+ private:
+  std::string source_;
+  bool has_lines_;
+  std::map<std::string, std::string> origins_;
+};
+
+// One `params:` key. Every function is set by the builder; `key` in messages is "params.NAME".
+struct KeySpec {
+  std::string name;                   // as YAML writes it; the flag is --name-with-hyphens
+  std::string kind;                   // what a value is: "an integer", "one of sgd, adamw", ...
+  std::string value_hint;             // --help's placeholder: N, X, TEXT, sgd|adamw ("" for a switch)
+  std::string help;
+  std::string group;                  // --help's heading
+  bool is_switch = false;             // true/false: a bare flag means true
+  bool secret = false;                // read, never written (token)
+  std::vector<std::string> known_as;  // other tools' names for it (learning_rate): "did you mean" only
+  std::function<void(RunConfig&, const YAML::Node& value, const std::string& key, const KeyLocation&)> read;
+  std::function<void(const RunConfig&, const std::string& key, const KeyLocation&)> check;
+  std::function<void(YAML::Emitter&, const RunConfig&)> write;
+  std::function<nlohmann::json(const RunConfig&)> json;
+  std::function<bool(const RunConfig&)> in_json;  // training_params.json holds it (default: always)
+  std::function<std::string(const RunConfig&)> text;  // the value as --help shows a default
+  std::function<bool(const RunConfig&, const RunConfig&)> same;
+};
+
+// "a mapping", "a list", "null" or the scalar quoted, for "got ..." in messages.
+std::string describe(const YAML::Node& node);
+
+// Shortest text that reads back as the same double and that YAML 1.1 readers (PyYAML) also
+// take for a float: they need a '.' in the mantissa.
+std::string float_text(double value);
+
+std::optional<int64_t> parse_int(const std::string& text);
+std::optional<double> parse_float(const std::string& text);
+std::optional<bool> parse_bool(std::string text);  // true/false/yes/no/on/off, any case
+
+// ---- Codec<T>: reading a YAML value into a field of type T, and writing it back.
+// read() returns false for a value that is not of the kind, setting `culprit` to the node at
+// fault (an item of a list) when it is not the value itself.
+
+template <class T, class Enable = void>
+struct Codec;
+
+template <class T>
+struct Codec<T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>>> {
+  static constexpr const char* kind = "an integer";
+  static constexpr const char* hint = "N";
+  static bool read(const YAML::Node& n, T& out, YAML::Node& culprit) {
+    auto v = n.IsScalar() ? parse_int(n.Scalar()) : std::nullopt;
+    if (!v || *v < std::numeric_limits<T>::min() || *v > std::numeric_limits<T>::max()) return false;
+    out = static_cast<T>(*v);
+    return true;
+  }
+  static void write(YAML::Emitter& e, T v) { e << static_cast<long long>(v); }
+  static nlohmann::json json(T v) { return v; }
+  static std::string text(T v) { return std::to_string(v); }
+};
+
+template <>
+struct Codec<double> {
+  static constexpr const char* kind = "a number";
+  static constexpr const char* hint = "X";
+  static bool read(const YAML::Node& n, double& out, YAML::Node& culprit) {
+    auto v = n.IsScalar() ? parse_float(n.Scalar()) : std::nullopt;
+    if (!v) return false;
+    out = *v;
+    return true;
+  }
+  static void write(YAML::Emitter& e, double v) { e << float_text(v); }
+  static nlohmann::json json(double v) { return v; }
+  static std::string text(double v) { return fmt::format("{}", v); }
+};
+
+template <>
+struct Codec<bool> {
+  static constexpr const char* kind = "true or false";
+  static constexpr const char* hint = "";
+  static bool read(const YAML::Node& n, bool& out, YAML::Node& culprit) {
+    auto v = n.IsScalar() ? parse_bool(n.Scalar()) : std::nullopt;
+    if (!v) return false;
+    out = *v;
+    return true;
+  }
+  static void write(YAML::Emitter& e, bool v) { e << (v ? "true" : "false"); }
+  static nlohmann::json json(bool v) { return v; }
+  static std::string text(bool v) { return v ? "true" : "false"; }
+};
+
+template <>
+struct Codec<std::string> {
+  static constexpr const char* kind = "a string";
+  static constexpr const char* hint = "TEXT";
+  static bool read(const YAML::Node& n, std::string& out, YAML::Node& culprit) {
+    if (!n.IsScalar()) return false;
+    out = n.Scalar();
+    return true;
+  }
+  static void write(YAML::Emitter& e, const std::string& v) { e << v; }
+  static nlohmann::json json(const std::string& v) { return v; }
+  static std::string text(const std::string& v) { return v.empty() ? "none" : v; }
+};
+
+// hidden_sizes: a YAML list of positive integers.
+template <>
+struct Codec<std::vector<int64_t>> {
+  static constexpr const char* kind = "a list of positive integers";
+  static constexpr const char* hint = "N,N,...";
+  static bool read(const YAML::Node& n, std::vector<int64_t>& out, YAML::Node& culprit) {
+    // A flag may give the list as 256,128 (a YAML scalar).
+    if (n.IsScalar() && n.Scalar().find(',') != std::string::npos) return read(YAML::Load("[" + n.Scalar() + "]"), out, culprit);
+    if (!n.IsSequence()) return false;
+    std::vector<int64_t> values;
+    for (const auto& item : n) {
+      auto v = item.IsScalar() ? parse_int(item.Scalar()) : std::nullopt;
+      if (!v || *v < 1) {
+        culprit.reset(item);  // rebinds (operator= would overwrite the node it refers to)
+        return false;
+      }
+      values.push_back(*v);
+    }
+    out = std::move(values);
+    return true;
+  }
+  static void write(YAML::Emitter& e, const std::vector<int64_t>& v) {
+    e << YAML::Flow << YAML::BeginSeq;
+    for (int64_t x : v) e << static_cast<long long>(x);
+    e << YAML::EndSeq;
+  }
+  static nlohmann::json json(const std::vector<int64_t>& v) { return v; }
+  static std::string text(const std::vector<int64_t>& v) {
+    std::string out;
+    for (int64_t x : v) out += (out.empty() ? "" : ",") + std::to_string(x);
+    return out.empty() ? "[]" : out;
+  }
+};
+
+// target_modules: PEFT's list, or AutoTrain's comma-separated text; written in AutoTrain's form.
+template <>
+struct Codec<std::vector<std::string>> {
+  static constexpr const char* kind = "a list of names or a comma-separated string";
+  static constexpr const char* hint = "A,B,...";
+  static bool read(const YAML::Node& n, std::vector<std::string>& out, YAML::Node& culprit);
+  static std::string joined(const std::vector<std::string>& v) {
+    std::string out;
+    for (const auto& x : v) out += (out.empty() ? "" : ",") + x;
+    return out;
+  }
+  static void write(YAML::Emitter& e, const std::vector<std::string>& v) { e << joined(v); }
+  static nlohmann::json json(const std::vector<std::string>& v) { return joined(v); }
+  static std::string text(const std::vector<std::string>& v) { return joined(v); }
+};
+
+// shard_optimizer: true, false or auto (null): auto is decided by the trainer.
+template <>
+struct Codec<std::optional<bool>> {
+  static constexpr const char* kind = "true, false or 'auto'";
+  static constexpr const char* hint = "true|false|auto";
+  static bool read(const YAML::Node& n, std::optional<bool>& out, YAML::Node& culprit) {
+    if (n.IsNull() || (n.IsScalar() && n.Scalar() == "auto")) {
+      out.reset();
+      return true;
+    }
+    auto v = n.IsScalar() ? parse_bool(n.Scalar()) : std::nullopt;
+    if (!v) return false;
+    out = *v;
+    return true;
+  }
+  static void write(YAML::Emitter& e, const std::optional<bool>& v) {
+    if (v) {
+      e << *v;
+    } else {
+      e << "auto";
+    }
+  }
+  static nlohmann::json json(const std::optional<bool>& v) { return v ? nlohmann::json(*v) : nlohmann::json("auto"); }
+  static std::string text(const std::optional<bool>& v) { return v ? (*v ? "true" : "false") : "auto"; }
+};
+
+// The enumerations of run_config.h, by their names.
+template <class E>
+struct Codec<E, std::enable_if_t<std::is_enum_v<E>>> {
+  static std::string names() {
+    std::string out;
+    for (const char* n : EnumNames<E>::names) out += (out.empty() ? "" : ", ") + std::string(n);
+    return out;
+  }
+  static std::string hint_text() {
+    std::string out;
+    for (const char* n : EnumNames<E>::names) out += (out.empty() ? "" : "|") + std::string(n);
+    return out;
+  }
+  static bool read(const YAML::Node& n, E& out, YAML::Node& culprit) {
+    auto v = n.IsScalar() ? enum_from<E>(n.Scalar()) : std::nullopt;
+    if (!v) return false;
+    out = *v;
+    return true;
+  }
+  static void write(YAML::Emitter& e, E v) { e << name_of(v); }
+  static nlohmann::json json(E v) { return name_of(v); }
+  static std::string text(E v) { return name_of(v); }
+};
+
+// ---- The builder.
+
+template <class Section, class T>
+class Key {
+ public:
+  using Check = std::function<std::string(const T&)>;  // "" when fine, else "must be ..., got ..."
+
+  Key(const char* name, Section RunConfig::*section, T Section::*member, const char* help)
+      : name_(name), section_(section), member_(member), help_(help) {
+    if constexpr (std::is_enum_v<T>) {
+      kind_ = "one of " + Codec<T>::names();
+      hint_ = Codec<T>::hint_text();
+      enumeration_ = true;
+    } else {
+      kind_ = Codec<T>::kind;
+      hint_ = Codec<T>::hint;
+    }
+  }
+
+  Key& group(const char* heading) { group_ = heading; return *this; }
+  // Text read as `value` (deepspeed -> zero3, adamw_torch -> adamw, default -> sft).
+  Key& alias(const std::string& text, T value) { aliases_.emplace_back(text, std::move(value)); return *this; }
+  // YAML null reads as `value` (AutoTrain's null for "none" or "the default").
+  Key& null_is(T value) { null_ = std::move(value); return *this; }
+  // A word read as `value` and written for it (nproc_per_node: auto = 0).
+  Key& keyword(const std::string& text, T value) {
+    keyword_ = std::make_pair(text, std::move(value));
+    hint_ += "|" + text;
+    return *this;
+  }
+  // The allowed values as messages list them (distributed_backend lists its aliases too).
+  Key& shown(const std::string& allowed) { kind_ = "one of " + allowed; return *this; }
+  // A text key that takes only these values.
+  Key& one_of(std::vector<std::string> allowed) {
+    std::string text;
+    for (const auto& a : allowed) text += (text.empty() ? "" : ", ") + a;
+    kind_ = "one of " + text;
+    std::string hint;
+    for (const auto& a : allowed) hint += (hint.empty() ? "" : "|") + a;
+    hint_ = hint;
+    allowed_ = std::move(allowed);
+    enumeration_ = true;
+    return *this;
+  }
+  // The value is of the kind only when `valid` holds (nproc_per_node's positive integers).
+  Key& valid_if(std::function<bool(const T&)> valid, std::string kind) {
+    valid_ = std::move(valid);
+    kind_ = std::move(kind);
+    return *this;
+  }
+  Key& check(Check c) { checks_.push_back(std::move(c)); return *this; }
+  Key& at_least(T min) {
+    return check([min](const T& v) { return v < min ? fmt::format("must be >= {}, got {}", min, v) : std::string(); });
+  }
+  Key& positive() {
+    return check([](const T& v) { return !(v > 0) ? fmt::format("must be > 0, got {}", v) : std::string(); });
+  }
+  Key& not_empty() {
+    return check([](const T& v) { return v.empty() ? std::string("must not be empty") : std::string(); });
+  }
+  Key& known_as(std::vector<std::string> names) { known_as_ = std::move(names); return *this; }
+  Key& secret() { secret_ = true; return *this; }
+  Key& in_json_when(std::function<bool(const RunConfig&)> when) { in_json_ = std::move(when); return *this; }
+
+  operator KeySpec() const {  // NOLINT: the table lists Keys as KeySpecs
+    KeySpec s;
+    s.name = name_;
+    s.kind = kind_;
+    s.value_hint = hint_;
+    s.help = help_;
+    s.group = group_;
+    s.is_switch = std::is_same_v<T, bool>;
+    s.secret = secret_;
+    s.known_as = known_as_;
+    const auto section = section_;
+    const auto member = member_;
+    auto get = [section, member](const RunConfig& c) -> const T& { return (c.*section).*member; };
+    s.read = [self = *this, section, member](RunConfig& c, const YAML::Node& n, const std::string& key,
+                                              const KeyLocation& loc) {
+      (c.*section).*member = self.read_value(n, key, loc);
+    };
+    s.check = [checks = checks_, get](const RunConfig& c, const std::string& key, const KeyLocation& loc) {
+      for (const auto& check : checks) {
+        const std::string problem = check(get(c));
+        if (!problem.empty()) fail("{}key '{}' {}", loc.where(key), key, problem);
+      }
+    };
+    if (!secret_) {
+      s.write = [keyword = keyword_, get](YAML::Emitter& e, const RunConfig& c) {
+        if (keyword && get(c) == keyword->second) {
+          e << keyword->first;
+        } else {
+          Codec<T>::write(e, get(c));
+        }
+      };
+      s.json = [keyword = keyword_, get](const RunConfig& c) {
+        if (keyword && get(c) == keyword->second) return nlohmann::json(keyword->first);
+        return Codec<T>::json(get(c));
+      };
+      s.in_json = in_json_ ? in_json_ : [](const RunConfig&) { return true; };
+    }
+    s.text = [keyword = keyword_, get](const RunConfig& c) {
+      if (keyword && get(c) == keyword->second) return keyword->first;
+      return Codec<T>::text(get(c));
+    };
+    s.same = [get](const RunConfig& a, const RunConfig& b) { return get(a) == get(b); };
+    return s;
+  }
+
+ private:
+  T read_value(const YAML::Node& n, const std::string& key, const KeyLocation& loc) const {
+    if (n.IsNull() && null_) return *null_;
+    if (n.IsScalar()) {
+      for (const auto& [text, value] : aliases_) {
+        if (n.Scalar() == text) return value;
+      }
+      if (keyword_ && n.Scalar() == keyword_->first) return keyword_->second;
+    }
+    T value{};
+    YAML::Node culprit = n;
+    bool ok = Codec<T>::read(n, value, culprit);
+    if constexpr (std::is_same_v<T, std::string>) {
+      if (ok && !allowed_.empty() && std::find(allowed_.begin(), allowed_.end(), value) == allowed_.end()) ok = false;
+    }
+    if (ok && valid_ && !valid_(value)) ok = false;
+    if (!ok) {
+      // No "did you mean" for a value: the lists are short and a near value (fp16 for fp32)
+      // is rarely a typo.
+      if (enumeration_ && n.IsScalar()) fail("{}key '{}' must be {}, got '{}'", loc.at(n), key, kind_, n.Scalar());
+      fail("{}key '{}' must be {}, got {}", loc.at(culprit), key, kind_, describe(culprit));
+    }
+    return value;
+  }
+
+  std::string name_;
+  Section RunConfig::*section_;
+  T Section::*member_;
+  std::string help_;
+  std::string group_;
+  std::string kind_;
+  std::string hint_;
+  bool enumeration_ = false;
+  bool secret_ = false;
+  std::vector<std::pair<std::string, T>> aliases_;
+  std::optional<T> null_;
+  std::optional<std::pair<std::string, T>> keyword_;
+  std::vector<std::string> allowed_;
+  std::function<bool(const T&)> valid_;
+  std::vector<Check> checks_;
+  std::vector<std::string> known_as_;
+  std::function<bool(const RunConfig&)> in_json_;
+};
+
+template <class Section, class T>
+Key<Section, T> key(const char* name, Section RunConfig::*section, T Section::*member, const char* help) {
+  return Key<Section, T>(name, section, member, help);
+}
+
+}  // namespace replica::train

@@ -1,0 +1,830 @@
+// The run configuration: the keys every task has, and reading, checking and writing a whole
+// configuration from the key tables (see run_config.h).
+#include "replica/train/run_config.h"
+
+#include "replica/core/error.h"
+#include "replica/core/files.h"
+#include "replica/core/suggest.h"
+#include "replica/train/keys.h"
+#include "replica/train/task.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <tuple>
+
+namespace replica::train {
+
+// ---------------------------------------------------------------------------------------
+// Scalars, shared by every key (keys.h).
+
+std::string describe(const YAML::Node& node) {
+  if (node.IsMap()) return "a mapping";
+  if (node.IsSequence()) return "a list";
+  if (node.IsNull()) return "null";
+  return "'" + node.Scalar() + "'";
+}
+
+std::string float_text(double value) {
+  const std::string text = fmt::format("{}", value);
+  if (!std::isfinite(value)) return text;
+  const auto e = text.find('e');
+  std::string mantissa = text.substr(0, e);
+  if (mantissa.find('.') == std::string::npos) mantissa += ".0";
+  return e == std::string::npos ? mantissa : mantissa + text.substr(e);
+}
+
+std::optional<int64_t> parse_int(const std::string& text) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) return std::nullopt;
+  errno = 0;
+  char* end = nullptr;
+  long long value = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || end == text.c_str() || *end != '\0') return std::nullopt;
+  return static_cast<int64_t>(value);
+}
+
+std::optional<double> parse_float(const std::string& text) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) return std::nullopt;
+  errno = 0;
+  char* end = nullptr;
+  double value = std::strtod(text.c_str(), &end);
+  if (errno != 0 || end == text.c_str() || *end != '\0' || !std::isfinite(value)) return std::nullopt;
+  return value;
+}
+
+std::optional<bool> parse_bool(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (text == "true" || text == "yes" || text == "on") return true;
+  if (text == "false" || text == "no" || text == "off") return false;
+  return std::nullopt;
+}
+
+bool Codec<std::vector<std::string>>::read(const YAML::Node& n, std::vector<std::string>& out, YAML::Node& culprit) {
+  std::vector<std::string> names;
+  if (n.IsSequence()) {
+    for (const auto& item : n) {
+      if (!item.IsScalar() || item.Scalar().empty()) {
+        culprit.reset(item);  // rebinds (operator= would overwrite the node it refers to)
+        return false;
+      }
+      names.push_back(item.Scalar());
+    }
+  } else if (n.IsScalar()) {
+    std::string text = n.Scalar();
+    size_t start = 0;
+    while (start <= text.size()) {
+      const size_t comma = std::min(text.find(',', start), text.size());
+      std::string name = text.substr(start, comma - start);
+      name.erase(0, name.find_first_not_of(" \t"));
+      name.erase(name.find_last_not_of(" \t") + 1);
+      if (!name.empty()) names.push_back(name);
+      start = comma + 1;
+    }
+  } else {
+    return false;
+  }
+  if (names.empty()) return false;
+  out = std::move(names);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// The keys every task has.
+
+const std::vector<KeySpec>& common_keys() {
+  static const std::vector<KeySpec> keys = [] {
+    using P = RunParams;
+    const auto p = &RunConfig::params;
+    auto zero3 = [](const RunConfig& c) { return c.params.distributed_backend == DistributedBackend::Zero3; };
+    auto in_unit_interval = [](const double& v) {
+      return v < 0 || v >= 1 ? fmt::format("must be in [0, 1), got {}", v) : std::string();
+    };
+    std::vector<KeySpec> k = {
+        // Workers and rendezvous.
+        key("distributed_backend", p, &P::distributed_backend,
+            "ddp: replicas, gradients all-reduced during backward; zero3 (deepspeed): parameters, gradients "
+            "and optimizer state sharded")
+            .group("Workers")
+            .null_is(DistributedBackend::Ddp)
+            .alias("deepspeed", DistributedBackend::Zero3)
+            .shown("null, ddp, deepspeed, zero3"),
+        key("nproc_per_node", p, &P::nproc_per_node, "workers on this node (auto: usable cores, or visible GPUs)")
+            .group("Workers")
+            .keyword("auto", 0)
+            .valid_if([](const int& v) { return v >= 1; }, "a positive integer or 'auto'"),
+        key("master_addr", p, &P::master_addr, "rendezvous host (rank 0's node)").group("Workers").not_empty(),
+        key("master_port", p, &P::master_port, "rendezvous port (0: a free one, one node only)")
+            .group("Workers")
+            .check([](const int& v) {
+              return v < 0 || v > 65535 ? fmt::format("must be a port number 0-65535, got {}", v) : std::string();
+            }),
+        key("rdzv_timeout", p, &P::rdzv_timeout, "seconds to wait for every worker at the rendezvous")
+            .group("Workers")
+            .positive(),
+        key("collective_timeout", p, &P::collective_timeout,
+            "seconds a collective may wait for a peer before the run stops naming it")
+            .group("Workers")
+            .positive(),
+        key("max_restarts", p, &P::max_restarts, "restarts of the worker group after a failure")
+            .group("Workers")
+            .at_least(0),
+        key("deterministic", p, &P::deterministic, "same inputs, same bits, at any run and after any resume")
+            .group("Workers"),
+        key("stage3_prefetch_bucket_size", p, &P::stage3_prefetch_bucket_size,
+            "zero3: elements gathered ahead of use")
+            .group("ZeRO-3")
+            .at_least(0.0)
+            .in_json_when(zero3),
+        key("stage3_param_persistence_threshold", p, &P::stage3_param_persistence_threshold,
+            "zero3: layers smaller than this stay gathered")
+            .group("ZeRO-3")
+            .at_least(0.0)
+            .in_json_when(zero3),
+        key("stage3_max_live_parameters", p, &P::stage3_max_live_parameters, "zero3: elements gathered at once")
+            .group("ZeRO-3")
+            .at_least(0.0)
+            .in_json_when(zero3),
+        key("reduce_bucket_size", p, &P::reduce_bucket_size,
+            "zero3: accepted for DeepSpeed configs (each layer's gradients are reduced whole)")
+            .group("ZeRO-3")
+            .at_least(0.0)
+            .in_json_when(zero3),
+        key("overlap_comm", p, &P::overlap_comm, "zero3: gather the next layer while this one computes")
+            .group("ZeRO-3")
+            .in_json_when(zero3),
+        key("shard_optimizer", p, &P::shard_optimizer,
+            "ddp: each worker steps only its 1/N of the parameters (ZeRO-1/2 inside DDP); auto: on for CPU "
+            "workers sharing one host")
+            .group("Workers"),
+        key("token", p, &P::token, "rendezvous secret (or env REPLICA_TOKEN); never written out")
+            .group("Workers")
+            .secret(),
+        // The training loop.
+        key("epochs", p, &P::epochs, "passes over the training data").group("Training").at_least(1).known_as(
+            {"num_train_epochs"}),
+        key("max_steps", p, &P::max_steps, "optimizer steps; wins over epochs (-1: off)")
+            .group("Training")
+            .check([](const int64_t& v) {
+              return v != -1 && v < 1 ? fmt::format("must be -1 (off) or >= 1, got {}", v) : std::string();
+            }),
+        key("batch_size", p, &P::batch_size, "samples per worker per micro-step")
+            .group("Training")
+            .at_least(1)
+            .known_as({"per_device_train_batch_size", "train_batch_size"}),
+        key("gradient_accumulation", p, &P::gradient_accumulation, "micro-steps per optimizer step")
+            .group("Training")
+            .at_least(1)
+            .known_as({"gradient_accumulation_steps"}),
+        key("mixed_precision", p, &P::mixed_precision, "bf16: autocast compute, fp32 master weights")
+            .group("Training")
+            .null_is(Precision::Fp32)
+            .alias("no", Precision::Fp32)  // Accelerate's spelling
+            .alias("none", Precision::Fp32)
+            .known_as({"precision"}),
+        key("optimizer", p, &P::optimizer, "fused AdamW or SGD with momentum")
+            .group("Training")
+            .alias("adamw_torch", OptimizerKind::AdamW)  // AutoTrain's default spelling
+            .known_as({"optim"}),
+        key("lr", p, &P::lr, "peak learning rate").group("Training").positive().known_as({"learning_rate"}),
+        key("momentum", p, &P::momentum, "sgd's momentum").group("Training").at_least(0.0),
+        key("weight_decay", p, &P::weight_decay, "decoupled weight decay").group("Training").at_least(0.0),
+        key("warmup_steps", p, &P::warmup_steps, "linear warm-up steps (0: warmup_ratio)")
+            .group("Training")
+            .at_least(0),
+        key("warmup_ratio", p, &P::warmup_ratio, "warm-up as a fraction of the steps")
+            .group("Training")
+            .check(in_unit_interval),
+        key("scheduler", p, &P::scheduler, "learning-rate decay after warm-up")
+            .group("Training")
+            .known_as({"lr_scheduler_type"}),
+        key("max_grad_norm", p, &P::max_grad_norm, "gradient clipping by global norm (<= 0: off)").group("Training"),
+        key("shuffle", p, &P::shuffle, "reshuffle the training data every epoch").group("Training"),
+        key("seed", p, &P::seed, "seed of initialisation, shuffling and dropout").group("Training").at_least(0),
+        key("eval_every", p, &P::eval_every, "evaluate every N steps (0: at the end of each epoch)")
+            .group("Training")
+            .at_least(0)
+            .known_as({"eval_steps"}),
+        key("checkpoint_every", p, &P::checkpoint_every, "checkpoint every N steps (0: none but the last)")
+            .group("Training")
+            .at_least(0)
+            .known_as({"save_steps"}),
+        key("save_total_limit", p, &P::save_total_limit, "checkpoints kept (<= 0: all)").group("Training"),
+        key("threads_per_worker", p, &P::threads_per_worker, "intra-op threads per worker (0: cores / workers)")
+            .group("Workers")
+            .at_least(0),
+        key("logging_steps", p, &P::logging_steps, "a metrics line every N steps (-1: the default)")
+            .group("Output")
+            .alias("-1", RunParams{}.logging_steps)  // AutoTrain's "pick for me"
+            .at_least(1),
+        key("overwrite", p, &P::overwrite, "replace an earlier run's outputs in project_name (only those)")
+            .group("Output"),
+        key("timeline", p, &P::timeline, "write a Chrome trace of every rank to this file").group("Output"),
+    };
+    return k;
+  }();
+  return keys;
+}
+
+namespace {
+
+constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+
+const std::vector<std::string> kTopKeys = {"task",         "backend", "base_model", "model",
+                                           "project_name", "data",    "log",        "params"};
+const std::vector<std::string> kDataKeys = {"path", "train_split", "valid_split", "chat_template",
+                                            "column_mapping"};
+const std::vector<std::string> kColumnKeys = {
+    "text_column",        "messages_column",      "prompt_column", "completion_column",
+    "prompt_text_column", "rejected_text_column", "image_column",  "target_column",
+    "label_column",       "user_column",          "item_column"};
+const std::vector<std::string> kChatTemplates = {"tokenizer", "chatml", "llama3", "none"};
+// AutoTrain's flat LLMTrainingParams carry chat_template and text_column; replica keeps them in
+// `data:`, so these params twins are applied there.
+const std::vector<std::string> kParamsTwins = {"chat_template", "text_column"};
+
+std::string join(const std::vector<std::string>& items, const char* separator = ", ") {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : separator) + item;
+  return out;
+}
+
+bool contains(const std::vector<std::string>& items, const std::string& item) {
+  return std::find(items.begin(), items.end(), item) != items.end();
+}
+
+bool has_params_twins(Task task) { return task == Task::LlmSft; }
+
+std::vector<const KeySpec*> keys_of(Task task) {
+  std::vector<const KeySpec*> out;
+  for (const auto& k : common_keys()) out.push_back(&k);
+  for (const auto& k : task_spec(task).keys) out.push_back(&k);
+  return out;
+}
+
+// "task llm-sft", or "tasks image-classification, two-tower": the tasks whose own key (or
+// params twin) `name` is; "" for none.
+std::string owners_of(const std::string& name) {
+  std::vector<std::string> owners;
+  for (const auto& spec : task_specs()) {
+    const bool own = std::any_of(spec.keys.begin(), spec.keys.end(), [&](const KeySpec& k) { return k.name == name; }) ||
+                     (has_params_twins(spec.task) && contains(kParamsTwins, name));
+    if (own) owners.emplace_back(name_of(spec.task));
+  }
+  if (owners.empty()) return "";
+  return (owners.size() == 1 ? "task " : "tasks ") + join(owners);
+}
+
+const KeySpec* find_key(Task task, const std::string& name) {
+  for (const KeySpec* k : keys_of(task)) {
+    if (k->name == name) return k;
+  }
+  return nullptr;
+}
+
+std::string read_string(const YAML::Node& node, const std::string& key, const KeyLocation& loc) {
+  if (!node.IsScalar()) fail("{}key '{}' must be a string, got {}", loc.at(node), key, describe(node));
+  return node.Scalar();
+}
+
+[[noreturn]] void unknown_key(const KeyLocation& loc, const YAML::Node& key_node, const std::string& section,
+                              const std::string& key, const std::vector<std::string>& candidates,
+                              const std::string& elsewhere = "") {
+  std::string suggestion = did_you_mean(key, candidates);
+  if (suggestion.empty()) suggestion = elsewhere;
+  fail("{}unknown key '{}{}'{}", loc.at(key_node), section, key,
+       suggestion.empty() ? "" : fmt::format(" (did you mean '{}'?)", suggestion));
+}
+
+// Calls `visit(key, key_node, value_node)` for each entry of a mapping, with hyphens in keys
+// read as underscores (the `--batch-size` flag spelling) and duplicates refused.
+template <class Visit>
+void for_each_entry(const YAML::Node& map, const std::string& section, const KeyLocation& loc, Visit visit) {
+  std::set<std::string> seen;
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    // Copies: the iterator hands out a temporary pair.
+    const YAML::Node key_node = it->first;
+    const YAML::Node value_node = it->second;
+    if (!key_node.IsScalar())
+      fail("{}keys under '{}' must be plain names", loc.at(key_node),
+           section.empty() ? "the top level" : section.substr(0, section.size() - 1));
+    std::string key = key_node.Scalar();
+    std::replace(key.begin(), key.end(), '-', '_');
+    if (!seen.insert(key).second) fail("{}key '{}{}' is given twice", loc.at(key_node), section, key);
+    visit(key, key_node, value_node);
+  }
+}
+
+// A section (data, params, column_mapping): a mapping, or empty.
+bool check_section(const YAML::Node& node, const std::string& key, const KeyLocation& loc) {
+  if (node.IsNull()) return false;
+  if (!node.IsMap()) fail("{}key '{}' must be a mapping, got {}", loc.at(node), key, describe(node));
+  return true;
+}
+
+void check_one_of(const KeyLocation& loc, const std::string& key, const std::string& value,
+                  const std::vector<std::string>& allowed) {
+  if (contains(allowed, value)) return;
+  fail("{}key '{}' must be one of {}, got '{}'", loc.where(key), key, join(allowed), value);
+}
+
+void check_path(const KeyLocation& loc, const std::string& key, const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) fail("{}{} '{}' does not exist", loc.where(key), key, path);
+}
+
+void check_config(const RunConfig& c, const KeyLocation& loc) {
+  check_one_of(loc, "backend", c.backend, {"local"});
+  const TaskSpec& spec = task_spec(c.task);
+  if (spec.models.empty()) {
+    if (c.base_model.empty()) fail("{}base_model is required for task {}", loc.where("base_model"), name_of(c.task));
+    check_path(loc, "base_model", c.base_model);
+  } else {
+    if (!c.base_model.empty()) fail("{}key 'base_model' applies only to task llm-sft", loc.where("base_model"));
+    check_one_of(loc, "model", c.model, spec.models);
+  }
+  if (c.project_name.empty()) {
+    fail("{}project_name is required (the output directory of the run)", loc.where("project_name"));
+  }
+  const DataConfig& d = c.data;
+  if (d.path.empty()) fail("{}data.path is required for task {}", loc.where("data.path"), name_of(c.task));
+  check_path(loc, "data.path", d.path);
+  if (d.train_split.empty()) fail("{}key 'data.train_split' must not be empty", loc.where("data.train_split"));
+  if (d.valid_split && d.valid_split->empty()) {
+    fail("{}key 'data.valid_split' must not be empty (null turns evaluation off)", loc.where("data.valid_split"));
+  }
+  check_one_of(loc, "data.chat_template", d.chat_template, kChatTemplates);
+  for (const auto& [name, column] : d.column_mapping) {
+    const std::string key = "data.column_mapping." + name;
+    check_one_of(loc, key, name, kColumnKeys);  // never fails for parsed configs
+    if (column.empty()) fail("{}key '{}' must not be empty", loc.where(key), key);
+  }
+  for (const KeySpec* k : keys_of(c.task)) k->check(c, "params." + k->name, loc);
+}
+
+void read_data(const YAML::Node& node, RunConfig& c, KeyLocation& loc) {
+  if (!check_section(node, "data", loc)) return;
+  for_each_entry(node, "data.", loc, [&](const std::string& key, const YAML::Node& k, const YAML::Node& v) {
+    const std::string path = "data." + key;
+    loc.note(path, k);
+    if (key == "path") {
+      c.data.path = read_string(v, path, loc);
+    } else if (key == "train_split") {
+      c.data.train_split = read_string(v, path, loc);
+    } else if (key == "valid_split") {
+      if (v.IsNull()) {
+        c.data.valid_split.reset();
+      } else {
+        c.data.valid_split = read_string(v, path, loc);
+      }
+    } else if (key == "chat_template") {
+      c.data.chat_template = v.IsNull() ? "none" : read_string(v, path, loc);
+    } else if (key == "column_mapping") {
+      // A mapping given replaces the task's default one as a whole.
+      c.data.column_mapping.clear();
+      if (!check_section(v, path, loc)) return;
+      for_each_entry(v, "data.column_mapping.", loc,
+                     [&](const std::string& column, const YAML::Node& ck, const YAML::Node& cv) {
+                       const std::string column_path = path + "." + column;
+                       if (!contains(kColumnKeys, column)) {
+                         unknown_key(loc, ck, "data.column_mapping.", column, kColumnKeys);
+                       }
+                       loc.note(column_path, ck);
+                       c.data.column_mapping[column] = read_string(cv, column_path, loc);
+                     });
+    } else {
+      unknown_key(loc, k, "data.", key, kDataKeys);
+    }
+  });
+}
+
+struct ParamsTwins {
+  std::optional<std::string> chat_template;
+  std::optional<std::string> text_column;
+};
+
+void read_params(const YAML::Node& node, RunConfig& c, KeyLocation& loc, ParamsTwins& twins) {
+  if (!check_section(node, "params", loc)) return;
+  const auto keys = keys_of(c.task);
+  std::vector<std::string> candidates;
+  for (const KeySpec* k : keys) candidates.push_back(k->name);
+  if (has_params_twins(c.task)) candidates.insert(candidates.end(), kParamsTwins.begin(), kParamsTwins.end());
+  for_each_entry(node, "params.", loc, [&](const std::string& key, const YAML::Node& k, const YAML::Node& v) {
+    const std::string path = "params." + key;
+    loc.note(path, k);
+    if (const KeySpec* spec = find_key(c.task, key)) {
+      spec->read(c, v, path, loc);
+      return;
+    }
+    if (const std::string owners = owners_of(key); !owners.empty() && !is_param_key(c.task, key)) {
+      fail("{}key '{}' applies only to {}", loc.at(k), path, owners);
+    }
+    if (key == "chat_template") {
+      twins.chat_template = v.IsNull() ? "none" : read_string(v, path, loc);
+    } else if (key == "text_column") {
+      twins.text_column = read_string(v, path, loc);
+    } else {
+      // A top-level or data key put under params by mistake is named with its section.
+      std::string elsewhere = contains(kDataKeys, key) ? "data." + key : contains(kTopKeys, key) ? key : "";
+      unknown_key(loc, k, "params.", key, candidates, elsewhere);
+    }
+  });
+}
+
+void apply_twins(RunConfig& c, const KeyLocation& loc, const ParamsTwins& twins) {
+  auto apply = [&](const std::optional<std::string>& twin, const std::string& data_key, std::string& target) {
+    if (!twin) return;
+    const std::string param_key = "params." + data_key.substr(data_key.rfind('.') + 1);
+    if (loc.has(data_key) && target != *twin) {
+      fail("{}key '{}' is '{}' but '{}' is '{}'; give one of them", loc.where(param_key), param_key, *twin,
+           data_key, target);
+    }
+    target = *twin;
+  };
+  apply(twins.chat_template, "data.chat_template", c.data.chat_template);
+  if (twins.text_column) {
+    apply(twins.text_column, "data.column_mapping.text_column", c.data.column_mapping["text_column"]);
+  }
+}
+
+Task read_task(const YAML::Node& node, KeyLocation& loc, const YAML::Node& key_node) {
+  const std::string name = read_string(node, "task", loc);
+  loc.note("task", key_node);
+  auto task = enum_from<Task>(name);
+  if (!task) {
+    fail("{}key 'task' must be one of {}, got '{}'", loc.where("task"), Codec<Task>::names(), name);
+  }
+  return *task;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+
+bool operator==(const RunConfig& a, const RunConfig& b) {
+  auto top = [](const RunConfig& c) {
+    return std::tie(c.task, c.backend, c.model, c.base_model, c.project_name, c.log, c.data.path, c.data.train_split,
+                    c.data.valid_split, c.data.chat_template, c.data.column_mapping);
+  };
+  if (top(a) != top(b)) return false;
+  for (const auto& k : common_keys()) {
+    if (!k.same(a, b)) return false;
+  }
+  for (const auto& spec : task_specs()) {
+    for (const auto& k : spec.keys) {
+      if (!k.same(a, b)) return false;
+    }
+  }
+  return true;
+}
+
+RunConfig default_config(Task task) {
+  RunConfig c;
+  c.task = task;
+  const TaskSpec& spec = task_spec(task);
+  c.model = spec.models.empty() ? "" : spec.models.front();
+  if (task == Task::ImageClassification) {
+    c.data.path = kFashionMnistDir;
+    c.data.valid_split = "t10k";
+  }
+  if (spec.defaults) spec.defaults(c);
+  return c;
+}
+
+RunConfig default_config(const std::string& task) {
+  auto t = enum_from<Task>(task);
+  if (!t) fail("unknown task '{}'; use one of {}", task, Codec<Task>::names());
+  return default_config(*t);
+}
+
+void validate_config(const RunConfig& config) { check_config(config, KeyLocation(config.source, true)); }
+
+void set_param(RunConfig& config, const std::string& key, const std::string& value) {
+  // The value is read as a YAML scalar would be, so "null", "auto" and "[64, 32]" mean what
+  // they mean in a file.
+  YAML::Node node;
+  try {
+    node = YAML::Load(value);
+  } catch (const YAML::Exception&) {
+    node = YAML::Node(value);
+  }
+  YAML::Node params(YAML::NodeType::Map);
+  params[key] = node;
+  KeyLocation loc("", false);
+  ParamsTwins twins;
+  read_params(params, config, loc, twins);
+  if (twins.chat_template) config.data.chat_template = *twins.chat_template;
+  if (twins.text_column) config.data.column_mapping["text_column"] = *twins.text_column;
+}
+
+namespace {
+
+// The keys of a YAML file, unchecked: flags may still set what it leaves out.
+RunConfig read_config(const std::string& yaml_text, const std::string& source_name, KeyLocation& loc) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    fail("{}invalid YAML: {}", e.mark.is_null() ? source_name + ": " : fmt::format("{}:{}: ", source_name, e.mark.line + 1),
+         e.msg);
+  }
+  if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);  // empty file: missing keys below
+  if (!root.IsMap()) fail("{}the configuration must be a mapping of keys to values", loc.at(root));
+
+  // The task decides the defaults and which keys exist, so it is read first.
+  Task task = Task::ImageClassification;
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    if (it->first.IsScalar() && it->first.Scalar() == "task") task = read_task(it->second, loc, it->first);
+  }
+  RunConfig c = default_config(task);
+  c.source = source_name;
+  const bool takes_base_model = task_spec(task).models.empty();
+
+  ParamsTwins twins;
+  std::vector<std::string> params;
+  for (const KeySpec* k : keys_of(task)) params.push_back(k->name);
+  for_each_entry(root, "", loc, [&](const std::string& key, const YAML::Node& k, const YAML::Node& v) {
+    loc.note(key, k);
+    if (key == "task") {
+      // read above
+    } else if (key == "backend") {
+      c.backend = read_string(v, key, loc);
+    } else if (key == "base_model") {
+      if (!takes_base_model)
+        fail("{}key 'base_model' applies only to task llm-sft (use 'model')", loc.at(k));
+      c.base_model = read_string(v, key, loc);
+    } else if (key == "model") {
+      if (takes_base_model)
+        fail("{}key 'model' is for image and two-tower tasks; {} takes 'base_model'", loc.at(k), name_of(task));
+      c.model = read_string(v, key, loc);
+    } else if (key == "project_name") {
+      c.project_name = read_string(v, key, loc);
+    } else if (key == "log") {
+      const std::string log = read_string(v, key, loc);
+      if (log == "wandb") {
+        fail("{}log 'wandb' is not available in replica (no Weights & Biases client); use one of {}", loc.at(k),
+             Codec<LogFormat>::names());
+      }
+      auto format = enum_from<LogFormat>(log);
+      if (!format) fail("{}key 'log' must be one of {}, got '{}'", loc.at(k), Codec<LogFormat>::names(), log);
+      c.log = *format;
+    } else if (key == "data") {
+      read_data(v, c, loc);
+    } else if (key == "params") {
+      read_params(v, c, loc, twins);
+    } else {
+      std::string elsewhere = contains(params, key)      ? "params." + key
+                              : contains(kDataKeys, key) ? "data." + key
+                                                         : "";
+      unknown_key(loc, k, "", key, kTopKeys, elsewhere);
+    }
+  });
+  apply_twins(c, loc, twins);
+  return c;
+}
+
+const std::vector<std::string> kTopFlags = {"model",         "base_model",    "project_name",    "data_path",
+                                            "train_split",   "valid_split",   "log",             "backend",
+                                            "messages_column", "prompt_column", "completion_column"};
+
+void apply_flag(RunConfig& c, const std::string& typed, const std::string& value, KeyLocation& loc) {
+  std::string name = typed;
+  std::replace(name.begin(), name.end(), '-', '_');
+  const bool takes_base_model = task_spec(c.task).models.empty();
+  auto top = [&](const std::string& key, std::string& field) {
+    field = value;
+    loc.note_flag(key, "--" + typed);
+  };
+  if (name == "task") {
+    fail("--task cannot change the task of a run; set task: in the YAML file");
+  } else if (name == "model" || name == "base_model") {
+    if (name == "base_model" && !takes_base_model) fail("--base-model applies only to task llm-sft (use --model)");
+    top(takes_base_model ? "base_model" : "model", takes_base_model ? c.base_model : c.model);
+  } else if (name == "project_name") {
+    top("project_name", c.project_name);
+  } else if (name == "data_path") {
+    top("data.path", c.data.path);
+  } else if (name == "train_split") {
+    top("data.train_split", c.data.train_split);
+  } else if (name == "valid_split") {
+    if (value == "null" || value == "none" || value.empty()) {
+      c.data.valid_split.reset();
+    } else {
+      c.data.valid_split = value;
+    }
+    loc.note_flag("data.valid_split", "--" + typed);
+  } else if (name == "log") {
+    if (value == "wandb") {
+      fail("--log wandb is not available in replica (no Weights & Biases client); use one of {}",
+           Codec<LogFormat>::names());
+    }
+    auto format = enum_from<LogFormat>(value);
+    if (!format) fail("--log must be one of {}, got '{}'", Codec<LogFormat>::names(), value);
+    c.log = *format;
+  } else if (name == "backend") {
+    top("backend", c.backend);
+  } else if (name == "messages_column" || name == "prompt_column" || name == "completion_column") {
+    top("data.column_mapping." + name, c.data.column_mapping[name]);
+  } else if (is_param_key(c.task, name)) {
+    try {
+      set_param(c, name, value);
+    } catch (const Error& e) {
+      fail("--{} {}: {}", typed, value, e.what());
+    }
+    loc.note_flag(contains(kParamsTwins, name) ? (name == "text_column" ? "data.column_mapping.text_column"
+                                                                        : "data.chat_template")
+                                               : "params." + name,
+                  "--" + typed);
+  } else {
+    fail("{}", unknown_flag_message(c.task, typed, kTopFlags));
+  }
+}
+
+}  // namespace
+
+RunConfig parse_config(const std::string& yaml_text, const std::string& source_name) {
+  KeyLocation loc(source_name, true);
+  RunConfig c = read_config(yaml_text, source_name, loc);
+  check_config(c, loc);
+  return c;
+}
+
+void set_flag(RunConfig& config, const std::string& name, const std::string& value) {
+  KeyLocation loc("", false);
+  apply_flag(config, name, value, loc);
+}
+
+bool is_flag(Task task, const std::string& name) {
+  std::string n = name;
+  std::replace(n.begin(), n.end(), '-', '_');
+  return contains(kTopFlags, n) || is_param_key(task, n);
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::pair<std::string, std::string>>& flags) {
+  KeyLocation loc(path, true);
+  RunConfig c = read_config(read_file(path), path, loc);
+  for (const auto& [name, value] : flags) apply_flag(c, name, value, loc);
+  check_config(c, loc);
+  return c;
+}
+
+RunConfig load_config(const std::string& path) { return load_config(path, {}); }
+
+std::string to_yaml(const RunConfig& c) {
+  YAML::Emitter out;
+  out.SetNullFormat(YAML::LowerNull);
+  out << YAML::BeginMap;
+  out << YAML::Key << "task" << YAML::Value << name_of(c.task);
+  out << YAML::Key << "backend" << YAML::Value << c.backend;
+  if (task_spec(c.task).models.empty()) {
+    out << YAML::Key << "base_model" << YAML::Value << c.base_model;
+  } else {
+    out << YAML::Key << "model" << YAML::Value << c.model;
+  }
+  out << YAML::Key << "project_name" << YAML::Value << c.project_name;
+
+  out << YAML::Key << "data" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "path" << YAML::Value << c.data.path;
+  out << YAML::Key << "train_split" << YAML::Value << c.data.train_split;
+  out << YAML::Key << "valid_split" << YAML::Value;
+  if (c.data.valid_split) {
+    out << *c.data.valid_split;
+  } else {
+    out << YAML::Null;
+  }
+  out << YAML::Key << "chat_template" << YAML::Value << c.data.chat_template;
+  out << YAML::Key << "column_mapping" << YAML::Value << YAML::BeginMap;
+  for (const auto& [name, column] : c.data.column_mapping) out << YAML::Key << name << YAML::Value << column;
+  out << YAML::EndMap;
+  out << YAML::EndMap;
+
+  out << YAML::Key << "log" << YAML::Value << name_of(c.log);
+
+  out << YAML::Key << "params" << YAML::Value << YAML::BeginMap;
+  for (const KeySpec* k : keys_of(c.task)) {
+    if (!k->write) continue;  // the token
+    out << YAML::Key << k->name << YAML::Value;
+    k->write(out, c);
+  }
+  out << YAML::EndMap;
+
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::string training_params_json(const RunConfig& c) {
+  nlohmann::json j = {
+      {"task", name_of(c.task)},
+      {"model", task_spec(c.task).models.empty() ? c.base_model : c.model},
+      {"project_name", c.project_name},
+      {"data_path", c.data.path},
+      {"train_split", c.data.train_split},
+      {"valid_split", c.data.valid_split ? nlohmann::json(*c.data.valid_split) : nlohmann::json()},
+      {"log", name_of(c.log)},
+  };
+  if (has_params_twins(c.task)) {
+    j["chat_template"] = c.data.chat_template;
+    if (auto it = c.data.column_mapping.find("text_column"); it != c.data.column_mapping.end()) {
+      j["text_column"] = it->second;
+    }
+  }
+  for (const KeySpec* k : keys_of(c.task)) {
+    if (k->json && k->in_json(c)) j[k->name] = k->json(c);
+  }
+  return j.dump(2) + "\n";
+}
+
+namespace {
+
+// "  --flag VALUE   what it does [default]", the text wrapped at 100 columns under itself.
+std::string help_line(const std::string& flag, const std::string& text) {
+  constexpr size_t kIndent = 41, kWidth = 100;
+  std::string out = fmt::format("  {:<38} ", flag);
+  if (out.size() > kIndent) out += "\n" + std::string(kIndent, ' ');
+  size_t column = kIndent;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find(' ', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string word = text.substr(start, end - start);
+    if (column > kIndent && column + 1 + word.size() > kWidth) {
+      out += "\n" + std::string(kIndent, ' ');
+      column = kIndent;
+    } else if (column > kIndent) {
+      out += ' ';
+      ++column;
+    }
+    out += word;
+    column += word.size();
+    start = end + 1;
+  }
+  return out + "\n";
+}
+
+}  // namespace
+
+std::string keys_help(Task task) {
+  const RunConfig defaults = default_config(task);
+  std::vector<std::string> groups;
+  for (const KeySpec* k : keys_of(task)) {
+    if (!contains(groups, k->group)) groups.push_back(k->group);
+  }
+  std::string out;
+  for (const auto& group : groups) {
+    out += group + ":\n";
+    for (const KeySpec* k : keys_of(task)) {
+      if (k->group != group) continue;
+      std::string flag = "--" + k->name;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      if (!k->value_hint.empty()) flag += " " + k->value_hint;
+      const std::string value = k->secret ? "" : fmt::format(" [{}]", k->text(defaults));
+      out += help_line(flag, k->help + value);
+    }
+  }
+  if (has_params_twins(task)) {
+    out += "Twins of data: keys (AutoTrain's flat names):\n";
+    out += help_line("--chat-template NAME", "data.chat_template: tokenizer, chatml, llama3 or none [tokenizer]");
+    out += help_line("--text-column NAME", "data.column_mapping.text_column [text]");
+  }
+  return out;
+}
+
+bool is_param_key(Task task, const std::string& name) {
+  return find_key(task, name) != nullptr || (has_params_twins(task) && contains(kParamsTwins, name));
+}
+
+bool is_switch_key(Task task, const std::string& name) {
+  const KeySpec* k = find_key(task, name);
+  return k != nullptr && k->is_switch;
+}
+
+std::string unknown_flag_message(Task task, const std::string& typed, const std::vector<std::string>& other_flags) {
+  std::string name = typed;
+  std::replace(name.begin(), name.end(), '-', '_');
+  if (!is_param_key(task, name)) {
+    if (const std::string owners = owners_of(name); !owners.empty()) {
+      return fmt::format("flag --{} applies only to {}", typed, owners);
+    }
+  }
+  std::vector<std::string> candidates = other_flags;
+  std::map<std::string, std::string> known_as;  // another tool's name -> our key
+  for (const KeySpec* k : keys_of(task)) {
+    candidates.push_back(k->name);
+    for (const auto& other : k->known_as) {
+      candidates.push_back(other);
+      known_as[other] = k->name;
+    }
+  }
+  if (has_params_twins(task)) candidates.insert(candidates.end(), kParamsTwins.begin(), kParamsTwins.end());
+  std::string suggestion = did_you_mean(name, candidates);
+  if (auto it = known_as.find(suggestion); it != known_as.end()) suggestion = it->second;
+  std::replace(suggestion.begin(), suggestion.end(), '_', '-');
+  return fmt::format("unknown flag --{}{}", typed, suggestion.empty() ? "" : fmt::format(" (did you mean --{}?)", suggestion));
+}
+
+}  // namespace replica::train
