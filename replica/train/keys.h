@@ -306,6 +306,16 @@ class Key {
   Key& positive() {
     return check([](const T& v) { return !(v > 0) ? fmt::format("must be > 0, got {}", v) : std::string(); });
   }
+  // A fraction: in [0, 1).
+  Key& fraction() {
+    return check([](const T& v) { return v < 0 || v >= 1 ? fmt::format("must be in [0, 1), got {}", v) : std::string(); });
+  }
+  // `off` (a word saying what it means) or >= min: max_steps -1, block_size -1.
+  Key& off_or_at_least(T off, T min, const char* meaning) {
+    return check([off, min, meaning](const T& v) {
+      return v != off && v < min ? fmt::format("must be {} ({}) or >= {}, got {}", off, meaning, min, v) : std::string();
+    });
+  }
   Key& not_empty() {
     return check([](const T& v) { return v.empty() ? std::string("must not be empty") : std::string(); });
   }

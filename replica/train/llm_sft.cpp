@@ -640,9 +640,7 @@ TaskSpec llm_sft_task() {
       key("lora_alpha", l, &L::lora_alpha, "LoRA scale numerator (scale = alpha / r)").group("LoRA").at_least(1),
       key("lora_dropout", l, &L::lora_dropout, "dropout on the adapters' input")
           .group("LoRA")
-          .check([](const double& v) {
-            return v < 0 || v >= 1 ? fmt::format("must be in [0, 1), got {}", v) : std::string();
-          }),
+          .fraction(),
       key("target_modules", l, &L::target_modules,
           "the adapted linears: all-linear, or names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
           .group("LoRA"),
@@ -652,9 +650,7 @@ TaskSpec llm_sft_task() {
           .at_least(1),
       key("block_size", l, &L::block_size, "packed row length (-1: model_max_length)")
           .group("LLM")
-          .check([](const int64_t& v) {
-            return v != -1 && v < 1 ? fmt::format("must be -1 (model_max_length) or >= 1, got {}", v) : std::string();
-          }),
+          .off_or_at_least(-1, 1, "model_max_length"),
       key("padding", l, &L::padding, "side of the padding (rows are packed: only the last one pads)")
           .group("LLM")
           .one_of({"right", "left"}),

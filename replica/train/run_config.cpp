@@ -102,9 +102,6 @@ const std::vector<KeySpec>& common_keys() {
     using P = RunParams;
     const auto p = &RunConfig::params;
     auto zero3 = [](const RunConfig& c) { return c.params.distributed_backend == DistributedBackend::Zero3; };
-    auto in_unit_interval = [](const double& v) {
-      return v < 0 || v >= 1 ? fmt::format("must be in [0, 1), got {}", v) : std::string();
-    };
     std::vector<KeySpec> k = {
         // Workers and rendezvous.
         key("distributed_backend", p, &P::distributed_backend,
@@ -170,9 +167,7 @@ const std::vector<KeySpec>& common_keys() {
             {"num_train_epochs"}),
         key("max_steps", p, &P::max_steps, "optimizer steps; wins over epochs (-1: off)")
             .group("Training")
-            .check([](const int64_t& v) {
-              return v != -1 && v < 1 ? fmt::format("must be -1 (off) or >= 1, got {}", v) : std::string();
-            }),
+            .off_or_at_least(-1, 1, "off"),
         key("batch_size", p, &P::batch_size, "samples per worker per micro-step")
             .group("Training")
             .at_least(1)
@@ -199,7 +194,7 @@ const std::vector<KeySpec>& common_keys() {
             .at_least(0),
         key("warmup_ratio", p, &P::warmup_ratio, "warm-up as a fraction of the steps")
             .group("Training")
-            .check(in_unit_interval),
+            .fraction(),
         key("scheduler", p, &P::scheduler, "learning-rate decay after warm-up")
             .group("Training")
             .known_as({"lr_scheduler_type"}),
