@@ -1,6 +1,8 @@
 #include "replica/cli/env_report.h"
 
+#include "replica/core/cuda.h"
 #include "replica/core/system.h"
+#include "replica/distributed/process_group.h"
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -159,8 +161,19 @@ std::string env_report(bool json) {
                                                shm_free_gb)
                                  : "/dev/shm is not writable"}}},
   };
+  nlohmann::json devices = nlohmann::json::array();
+  for (const GpuInfo& g : visible_gpus()) {
+    devices.push_back({{"index", g.index},
+                       {"name", g.name},
+                       {"memory_gb", double(g.total_memory) / 1e9},
+                       {"compute_capability", fmt::format("{}.{}", g.major, g.minor)}});
+  }
   nlohmann::json gpus = {{"cuda_available", cuda},
-                         {"device_count", cuda ? static_cast<int>(torch::cuda::device_count()) : 0},
+                         {"device_count", visible_gpu_count()},
+                         {"devices", devices},
+                         {"cuda_runtime", cuda_runtime_version()},
+                         {"cuda_driver", cuda_driver_version()},
+                         {"nccl", distributed::nccl_version()},
                          {"CUDA_VISIBLE_DEVICES", env("CUDA_VISIBLE_DEVICES").value_or("(unset)")}};
   nlohmann::json vars = nlohmann::json::object();
   for (char** e = environ; *e; ++e) {
@@ -229,6 +242,14 @@ std::string env_report(bool json) {
   out += "training backends:   ddp (default), zero3 (also spelled deepspeed)\n";
   out += fmt::format("GPUs:                {} (CUDA {}; CUDA_VISIBLE_DEVICES={})\n", gpus["device_count"].get<int>(),
                      cuda ? "available" : "not available", gpus["CUDA_VISIBLE_DEVICES"].get<std::string>());
+  for (const auto& d : devices) {
+    out += fmt::format("  cuda:{} {}, {:.1f} GB, compute capability {}\n", d["index"].get<int>(),
+                       d["name"].get<std::string>(), d["memory_gb"].get<double>(),
+                       d["compute_capability"].get<std::string>());
+  }
+  auto or_none = [](const std::string& v) { return v.empty() ? std::string("none") : v; };
+  out += fmt::format("CUDA runtime:        {} (driver {}); NCCL {}\n", or_none(cuda_runtime_version()),
+                     or_none(cuda_driver_version()), or_none(distributed::nccl_version()));
   out += "network interfaces:\n";
   for (const auto& n : j["network_interfaces"]) {
     std::string addresses;

@@ -198,7 +198,7 @@ int run_main(int argc, char** argv) {
   if (*bench_ar) {
     if (replica::distributed::world_from_env()) return replica::cli::bench_allreduce_worker(bopts);
     replica::launch::LaunchOptions opts;
-    opts.nproc_per_node = replica::launch::resolve_nproc(bench_nproc);
+    opts.nproc_per_node = replica::launch::resolve_nproc(bench_nproc, /*gpus=*/0);  // CPU transports
     opts.threads_per_worker = 1;
     opts.command = {"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) opts.command.emplace_back(argv[i]);

@@ -28,6 +28,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/version.h>
+
+#include <optional>
 #ifdef REPLICA_WITH_CUDA
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -37,6 +39,19 @@ namespace replica::distributed {
 // ---- Work ---------------------------------------------------------------------------------
 
 namespace {
+
+// A collective of a CPU tensor staged through the GPU: the result comes back on wait().
+struct StagedWork final : Work::Impl {
+  StagedWork(Work inner, at::Tensor host, at::Tensor device)
+      : inner(std::move(inner)), host(std::move(host)), device(std::move(device)) {}
+  void wait() override {
+    inner.wait();
+    host.copy_(device);
+  }
+  bool done() const override { return inner.done(); }
+  Work inner;
+  at::Tensor host, device;
+};
 
 struct C10dWork final : Work::Impl {
   C10dWork(c10::intrusive_ptr<c10d::Work> w, int r, const char* what) : work(std::move(w)), rank(r), what(what) {}
@@ -66,6 +81,14 @@ bool Work::done() const { return !impl_ || impl_->done(); }
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Backend> backend;  // Gloo or NCCL; null for world size 1
   c10::intrusive_ptr<c10d::Store> store;
+  // NCCL: the rank's GPU, through which CPU tensors (control messages) are staged.
+  std::optional<at::Device> stage;
+
+  // `t` where the backend can reduce it: a copy on the staging device for a CPU tensor under
+  // NCCL, else `t` itself.
+  at::Tensor on_backend(const at::Tensor& t) const {
+    return stage && !t.is_cuda() ? t.to(*stage, /*non_blocking=*/false, /*copy=*/true) : t;
+  }
 };
 
 ProcessGroup::ProcessGroup(WorldInfo world, std::unique_ptr<Impl> impl)
@@ -94,11 +117,14 @@ auto guarded(int rank, const char* what, F&& f) -> decltype(f()) {
 
 Work ProcessGroup::backend_allreduce_sum(torch::Tensor& tensor) {
   if (!impl_ || !impl_->backend) return Work();
-  std::vector<at::Tensor> tensors{tensor};
+  const at::Tensor target = impl_->on_backend(tensor);
+  std::vector<at::Tensor> tensors{target};
   auto work = guarded(rank(), "all-reduce", [&] {
     return impl_->backend->allreduce(tensors, c10d::AllreduceOptions{});
   });
-  return Work(std::make_shared<C10dWork>(work, rank(), "all-reduce"));
+  Work done(std::make_shared<C10dWork>(work, rank(), "all-reduce"));
+  if (target.is_same(tensor)) return done;
+  return Work(std::make_shared<StagedWork>(std::move(done), tensor, target));
 }
 
 void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root, const char* file, int line) {
@@ -106,10 +132,11 @@ void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root, cons
   const uint64_t seq = monitor_ ? monitor_->begin("broadcast", tensors, file, line) : 0;
   guarded(rank(), "broadcast", [&] {
     for (auto& t : tensors) {
-      std::vector<at::Tensor> one{t};
+      std::vector<at::Tensor> one{impl_->on_backend(t)};
       c10d::BroadcastOptions opts;
       opts.rootRank = root;
       impl_->backend->broadcast(one, opts)->wait();
+      if (!one[0].is_same(t)) t.copy_(one[0]);
     }
   });
   if (monitor_) monitor_->end(seq);
@@ -123,12 +150,16 @@ void ProcessGroup::allgather(std::vector<torch::Tensor>& out, const torch::Tenso
   }
   const uint64_t seq = monitor_ ? monitor_->begin("all-gather", {in}, file, line) : 0;
   guarded(rank(), "all-gather", [&] {
+    const at::Tensor input = impl_->on_backend(in.contiguous());
     out.clear();
-    for (int r = 0; r < size(); ++r) out.push_back(torch::empty_like(in));
+    for (int r = 0; r < size(); ++r) out.push_back(torch::empty_like(input));
     std::vector<std::vector<at::Tensor>> outputs{out};
-    std::vector<at::Tensor> inputs{in.contiguous()};
+    std::vector<at::Tensor> inputs{input};
     impl_->backend->allgather(outputs, inputs)->wait();
     out = outputs[0];
+    if (input.device() != in.device()) {
+      for (auto& t : out) t = t.to(in.device());
+    }
   });
   if (monitor_) monitor_->end(seq);
 }
@@ -158,6 +189,14 @@ std::string ProcessGroup::store_get(const std::string& key) {
     auto v = impl_->store->get(key);
     return std::string(v.begin(), v.end());
   });
+}
+
+std::string nccl_version() {
+#ifdef REPLICA_WITH_CUDA
+  return guarded(0, "NCCL version", [] { return c10d::getNcclVersion(); });
+#else
+  return "";
+#endif
 }
 
 // ---- construction -------------------------------------------------------------------------
@@ -252,6 +291,8 @@ std::shared_ptr<ProcessGroup> make_process_group(const std::shared_ptr<Store>& s
     nccl_options->timeout = options.collective_timeout;
     impl->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, world.rank, world.world_size,
                                                                 nccl_options);
+    if (options.cuda_device < 0) fail("rank {}: the nccl backend needs this rank's GPU (cuda_device)", world.rank);
+    impl->stage = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options.cuda_device));
     return std::make_shared<ProcessGroup>(world, std::move(impl));
 #else
     fail("distributed backend 'nccl' needs a LibTorch built with CUDA; this replica was built against "

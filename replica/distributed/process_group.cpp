@@ -138,7 +138,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
     fail("rank {}: the shm transport needs the same number of workers on every node (LOCAL_WORLD_SIZE {} "
          "does not divide WORLD_SIZE {})", world.rank, local, world.world_size);
   }
-  if (transport != "gloo" && uniform && local > 1) {
+  // NCCL moves GPU memory itself: the shared-memory transport is for CPU tensors only.
+  pg->backend_ = options.backend;
+  if (transport != "gloo" && uniform && local > 1 && options.backend != "nccl") {
     const int nodes = world.world_size / local;
     const std::string job = fmt::format("{}shm/node{}/", prefix, world.node_rank);
     auto local_group = std::make_unique<ShmAllreduce>(world.local_rank, local, store_rendezvous(*pg),
@@ -260,7 +262,7 @@ std::vector<std::string> ProcessGroup::allgather_strings(const std::string& mine
 
 std::string ProcessGroup::transport() const {
   if (size() <= 1) return "none";
-  return use_shm_ ? "shm" : "gloo";
+  return use_shm_ ? "shm" : backend_;
 }
 
 void ProcessGroup::set_transport(const std::string& transport) {

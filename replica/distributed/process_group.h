@@ -23,6 +23,9 @@ struct ProcessGroupOptions {
   std::chrono::milliseconds rdzv_timeout{300'000};
   std::chrono::milliseconds collective_timeout{600'000};
   std::string backend = "gloo";  // gloo (CPU); nccl where LibTorch has CUDA
+  // nccl: this rank's GPU. Collectives of CPU tensors (loss sums, counts, strings: the control
+  // messages) are staged through it, and the shared-memory transport is not used.
+  int cuda_device = -1;
   // All-reduce transport: "auto" (shared memory when every rank is on this host, else the
   // backend), "shm" (error unless all ranks share the host) or "gloo". Env REPLICA_TRANSPORT.
   std::string transport = "auto";
@@ -140,6 +143,7 @@ class ProcessGroup {
   std::unique_ptr<Impl> impl_;
   std::shared_ptr<ShmTransport> shm_;  // set when every rank of a node shares memory
   bool use_shm_ = false;
+  std::string backend_ = "gloo";  // gloo or nccl
   // Watchdog and desync checks (null for a world of one). Last member: destroyed first, so
   // its thread stops before the store it uses goes away.
   std::shared_ptr<CollectiveMonitor> monitor_;
@@ -149,5 +153,8 @@ class ProcessGroup {
 // and that opens no socket.
 std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo& world,
                                                  const ProcessGroupOptions& options = {});
+
+// The NCCL version LibTorch's NCCL backend uses ("2.27.5"); "" without CUDA.
+std::string nccl_version();
 
 }  // namespace replica::distributed

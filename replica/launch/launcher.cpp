@@ -13,6 +13,7 @@
 //   a lock (malloc, stdio) could deadlock in the child.
 #include "replica/launch/launcher.h"
 
+#include "replica/core/cuda.h"
 #include "replica/core/error.h"
 #include "replica/core/system.h"
 
@@ -622,14 +623,16 @@ int run(const LaunchOptions& requested) {
   return code;
 }
 
-int resolve_nproc(const std::string& spec) {
+int resolve_nproc(const std::string& spec) { return resolve_nproc(spec, visible_gpu_count()); }
+
+int resolve_nproc(const std::string& spec, int gpus) {
   const int cores = usable_cores();
   std::string lower = spec;
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   int64_t n = 0;
   if (lower == "auto") {
-    n = cores;
+    n = gpus > 0 ? gpus : cores;
   } else {
     const bool digits = !spec.empty() && std::all_of(spec.begin(), spec.end(), [](unsigned char c) {
       return std::isdigit(c) != 0;
@@ -638,6 +641,14 @@ int resolve_nproc(const std::string& spec) {
     // Anything over 9 digits is far beyond the limit below; avoid overflow while parsing.
     n = spec.size() > 9 ? std::numeric_limits<int64_t>::max() : std::stoll(spec);
     if (n < 1) fail("nproc_per_node must be a positive integer or 'auto', got '{}'", spec);
+  }
+  if (gpus > 0) {
+    if (n > gpus) {
+      fail("nproc_per_node {} exceeds the {} GPU{} visible on this node (one worker per GPU; CUDA_VISIBLE_DEVICES={}); "
+           "start at most {}, or train on the CPU (device: cpu)",
+           spec, gpus, gpus == 1 ? "" : "s", env("CUDA_VISIBLE_DEVICES").value_or("unset"), gpus);
+    }
+    return static_cast<int>(n);
   }
   // Past a few workers per core, CPU workers only contend and time out in collectives.
   const int64_t limit = 4 * int64_t{cores};

@@ -56,8 +56,12 @@ struct WorkerExit {
 // launcher when the worker died by a signal) is reported: message, rank and time.
 int run(const LaunchOptions& options);
 
-// "auto" -> usable cores; a positive integer -> itself; otherwise replica::Error.
-// More than 4 workers per usable core is an error naming the limit.
+// Workers per node from "N" or "auto", for jobs on `gpus` GPUs (what this process sees, unless
+// the job runs on the CPU: 0). With GPUs: auto = their count, and more workers than GPUs is an
+// error naming both. On the CPU: auto = usable cores, and more than 4 workers per core is an
+// error naming the limit. A spec that is neither is a replica::Error.
+int resolve_nproc(const std::string& spec, int gpus);
+// The same for the GPUs this process sees (core/cuda.h; creates no CUDA context).
 int resolve_nproc(const std::string& spec);
 
 // 32 random bytes (OpenSSL RAND_bytes) as 64 hex digits: a fresh rendezvous secret.

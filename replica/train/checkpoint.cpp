@@ -31,8 +31,14 @@ int64_t step_of(const fs::path& dir) {
 }  // namespace
 
 nlohmann::json TrainerState::to_json() const {
-  return {{"global_step", global_step}, {"epoch", epoch},       {"micro_step", micro_step},
-          {"world_size", world_size},   {"batch_size", batch_size},   {"seed", seed},         {"log_history", log_history}};
+  nlohmann::json j = {{"global_step", global_step}, {"epoch", epoch},       {"micro_step", micro_step},
+                      {"world_size", world_size},   {"batch_size", batch_size},   {"seed", seed},
+                      {"log_history", log_history}};
+  if (loss_scale > 0) {
+    j["loss_scale"] = loss_scale;
+    j["loss_scale_good_steps"] = loss_scale_good_steps;
+  }
+  return j;
 }
 
 TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string& where) {
@@ -45,6 +51,8 @@ TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string&
     s.seed = j.at("seed").get<int64_t>();
     s.batch_size = j.value("batch_size", int64_t{0});
     if (j.contains("log_history")) s.log_history = j.at("log_history");
+    s.loss_scale = j.value("loss_scale", 0.0);
+    s.loss_scale_good_steps = j.value("loss_scale_good_steps", int64_t{0});
   } catch (const std::exception& e) {
     fail("{}: not a replica trainer state: {}", where, e.what());
   }

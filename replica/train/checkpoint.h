@@ -25,6 +25,8 @@ struct TrainerState {
   int world_size = 1;
   int64_t batch_size = 0;        // per worker, per micro-step, when saved (0: unknown)
   int64_t seed = 0;
+  double loss_scale = 0;             // fp16's dynamic loss scale (0: none)
+  int64_t loss_scale_good_steps = 0;  // steps since it last changed
   nlohmann::json log_history = nlohmann::json::array();  // last metrics, for humans
   nlohmann::json to_json() const;
   static TrainerState from_json(const nlohmann::json& j, const std::string& where);

@@ -1,6 +1,8 @@
 #include "replica/train/engine.h"
 
+#include "replica/core/cuda.h"
 #include "replica/core/error.h"
+#include "replica/core/system.h"
 #include "replica/ddp/ddp.h"
 #include "replica/distributed/process_group.h"
 #include "replica/train/checkpoint.h"
@@ -38,10 +40,25 @@ double global_grad_norm(const std::vector<torch::Tensor>& params) {
   return norms.empty() ? 0.0 : torch::stack(norms).norm(2.0).item<double>();
 }
 
+}  // namespace
+
+std::string ParallelEngine::memory_peaks() const {
+  std::string out = fmt::format("; peak RSS {:.1f} MiB", peak_rss_mib());
+  if (device_.is_cuda()) {
+    const GpuMemory m = gpu_memory(device_.index());
+    out += fmt::format("; {} peak allocated {:.1f} MiB, reserved {:.1f} MiB", device_.str(), m.peak_allocated / kMiB,
+                       m.peak_reserved / kMiB);
+  }
+  return out;
+}
+
+namespace {
+
 class DdpEngine final : public ParallelEngine {
  public:
-  DdpEngine(const RunParams& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distributed::ProcessGroup> pg)
-      : model_(std::move(model)), pg_(std::move(pg)) {
+  DdpEngine(const RunParams& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distributed::ProcessGroup> pg,
+            torch::Device device)
+      : ParallelEngine(device), model_(std::move(model)), pg_(std::move(pg)) {
     ddp::DDPOptions options;
     options.shard_optimizer = p.shard_optimizer;  // nullopt: auto, decided by DDP
     ddp_ = std::make_unique<ddp::DistributedDataParallel>(model_, pg_, options);
@@ -113,9 +130,9 @@ class DdpEngine final : public ParallelEngine {
                        : ddp_->parameters_shared() ? " (sharded optimizer), parameters shared by the host's workers,"
                                                    : " (sharded optimizer),";
     return fmt::format("rank {}: backend ddp{} per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
-                       "{:.1f} MiB optimizer = {:.1f} MiB; peak RSS {:.1f} MiB",
+                       "{:.1f} MiB optimizer = {:.1f} MiB{}",
                        pg_->rank(), kind, param_bytes / kMiB, grad_bytes / kMiB, optimizer_bytes / kMiB,
-                       (param_bytes + grad_bytes + optimizer_bytes) / kMiB, peak_rss_mib());
+                       (param_bytes + grad_bytes + optimizer_bytes) / kMiB, memory_peaks());
   }
 
  private:
@@ -126,8 +143,9 @@ class DdpEngine final : public ParallelEngine {
 
 class Zero3Engine final : public ParallelEngine {
  public:
-  Zero3Engine(const RunParams& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distributed::ProcessGroup> pg)
-      : model_(std::move(model)), pg_(std::move(pg)) {
+  Zero3Engine(const RunParams& p, std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distributed::ProcessGroup> pg,
+              torch::Device device)
+      : ParallelEngine(device), model_(std::move(model)), pg_(std::move(pg)) {
     zero::Zero3Options options;
     options.stage3_prefetch_bucket_size = p.stage3_prefetch_bucket_size;
     options.stage3_param_persistence_threshold = p.stage3_param_persistence_threshold;
@@ -186,10 +204,10 @@ class Zero3Engine final : public ParallelEngine {
                           m.peak_transient_grad_bytes;
     return fmt::format("rank {}: backend zero3, per-worker model state: {:.1f} MiB master shards + {:.1f} MiB gradient "
                        "shards + {:.1f} MiB optimizer shards + peak {:.1f} MiB gathered parameters + peak {:.1f} MiB "
-                       "transient gradients = {:.1f} MiB at most; peak RSS {:.1f} MiB",
+                       "transient gradients = {:.1f} MiB at most{}",
                        pg_->rank(), m.master_bytes / kMiB, m.master_grad_bytes / kMiB, optimizer_bytes / kMiB,
                        m.peak_gathered_bytes / kMiB, m.peak_transient_grad_bytes / kMiB, total / kMiB,
-                       peak_rss_mib());
+                       memory_peaks());
   }
 
  private:
@@ -200,10 +218,47 @@ class Zero3Engine final : public ParallelEngine {
 
 }  // namespace
 
+// Note [worker device]
+// Where a worker computes is decided once, here, before anything is allocated: `device: cpu`
+// is the CPU; `cuda` is cuda:LOCAL_RANK, or cuda:0 when this process sees a single GPU (each
+// task its own, as Slurm's --gpus-per-task or a per-worker CUDA_VISIBLE_DEVICES arrange);
+// `auto` is `cuda` when a GPU is visible, else the CPU. A LOCAL_RANK without a GPU of its own
+// is an error naming the rank and the count. The device then picks the process group's
+// backend (NCCL for CUDA, Gloo for the CPU), and the engine moves the model there once, before
+// DDP or ZeRO-3 wraps it; the CPU-only fast paths (the shared-memory transport, FusedSGD's
+// loop, FusedLinear's gradient homes) see CUDA tensors and step aside, each in its own place.
+torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world) {
+  if (kind == DeviceKind::Cpu) return torch::kCPU;
+  const int gpus = visible_gpu_count();
+  if (gpus == 0) {
+    if (kind == DeviceKind::Cuda) {
+      fail("rank {}: device cuda asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES={}); use device: cpu",
+           world.rank, env("CUDA_VISIBLE_DEVICES").value_or("unset"));
+    }
+    return torch::kCPU;
+  }
+  const int index = gpus == 1 ? 0 : world.local_rank;
+  if (index >= gpus) {
+    fail("rank {}: LOCAL_RANK {} has no GPU of its own: {} GPU{} visible on this node for {} workers; start "
+         "at most {} workers per node (--nproc-per-node), or set device: cpu",
+         world.rank, world.local_rank, gpus, gpus == 1 ? " is" : "s are", world.local_world_size, gpus);
+  }
+  set_current_gpu(index);
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
 std::unique_ptr<ParallelEngine> make_engine(const RunParams& params, std::shared_ptr<torch::nn::Module> model,
-                                            std::shared_ptr<distributed::ProcessGroup> pg) {
-  if (params.distributed_backend == DistributedBackend::Zero3) return std::make_unique<Zero3Engine>(params, std::move(model), std::move(pg));
-  return std::make_unique<DdpEngine>(params, std::move(model), std::move(pg));
+                                            std::shared_ptr<distributed::ProcessGroup> pg, torch::Device device) {
+  if (device.is_cuda() && params.distributed_backend == DistributedBackend::Zero3) {
+    // ZeRO-3's flat shards live in host memory today; on the device they are issue 17's part 5.
+    fail("distributed_backend zero3 runs on the CPU only in this version (its shards are host memory); "
+         "use distributed_backend ddp on CUDA, or device: cpu");
+  }
+  model->to(device);
+  if (params.distributed_backend == DistributedBackend::Zero3) {
+    return std::make_unique<Zero3Engine>(params, std::move(model), std::move(pg), device);
+  }
+  return std::make_unique<DdpEngine>(params, std::move(model), std::move(pg), device);
 }
 
 }  // namespace replica::train

@@ -15,6 +15,8 @@
 #include "replica/io/safetensors.h"
 #include "replica/train/run_config.h"
 
+#include "replica/distributed/world.h"
+
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -34,7 +36,11 @@ struct Checkpoint;
 
 class ParallelEngine {
  public:
+  explicit ParallelEngine(torch::Device device) : device_(device) {}
   virtual ~ParallelEngine() = default;
+
+  // Where the model lives and computes (worker_device): autocast, batches and memory follow it.
+  torch::Device device() const { return device_; }
 
   // What the optimizer steps (the trainable parameters, or this worker's shards of them) and
   // their names (for the optimizer state in checkpoints).
@@ -71,13 +77,23 @@ class ParallelEngine {
   virtual std::string memory_report(int64_t optimizer_bytes) = 0;
 
  protected:
+  // "; peak RSS ... MiB", and on a GPU its caching allocator's peaks.
+  std::string memory_peaks() const;
+
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
+  torch::Device device_;
 };
 
 // The engine `params.distributed_backend` (and shard_optimizer, the ZeRO-3 knobs) asks for,
 // applied to `model` over `pg`.
+// Moves `model` to `device` once, before the engine wraps it.
 std::unique_ptr<ParallelEngine> make_engine(const RunParams& params, std::shared_ptr<torch::nn::Module> model,
-                                            std::shared_ptr<distributed::ProcessGroup> pg);
+                                            std::shared_ptr<distributed::ProcessGroup> pg,
+                                            torch::Device device = torch::kCPU);
+
+// The device this worker computes on (Note [worker device] in engine.cpp), made the current
+// one; called before the first allocation and before the process group.
+torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world);
 
 }  // namespace replica::train

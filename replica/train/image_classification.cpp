@@ -63,7 +63,7 @@ torch::Tensor augment(const torch::Tensor& x, torch::Generator& gen) {
 class ImageClassification final : public Workload {
  public:
   ImageClassification(const RunConfig& config, const WorkloadContext& context)
-      : kind_(config.model), hidden_(config.image.hidden_sizes), augment_(config.image.augment),
+      : context_(context), kind_(config.model), hidden_(config.image.hidden_sizes), augment_(config.image.augment),
         stem_(name_of(config.image.resnet_stem)), sync_batchnorm_(config.image.sync_batchnorm) {
     const auto& pg = context.pg;
     const std::string where = config.source.empty() ? "config" : config.source;
@@ -132,7 +132,7 @@ class ImageClassification final : public Workload {
     } else {
       batch = prepare(train_, indices, augment_, number);
     }
-    return torch::nn::functional::cross_entropy(forward(batch.x), batch.y);
+    return torch::nn::functional::cross_entropy(forward(context_.on_device(batch.x)), context_.on_device(batch.y));
   }
 
   io::NamedTensors rng_state() const override {
@@ -166,6 +166,7 @@ class ImageClassification final : public Workload {
       std::vector<int64_t> part(indices.begin() + begin,
                                 indices.begin() + std::min(indices.size(), begin + chunk));
       Batch batch = prepare(valid_, part, /*augment=*/false, /*number=*/0);
+      batch = {context_.on_device(batch.x), context_.on_device(batch.y)};
       auto logits = forward(batch.x);
       sums.loss_sum += torch::nn::functional::cross_entropy(
                            logits, batch.y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -209,6 +210,7 @@ class ImageClassification final : public Workload {
 
   torch::Tensor forward(const torch::Tensor& x) { return kind_ == "mlp" ? mlp_->forward(x) : resnet_->forward(x); }
 
+  WorkloadContext context_;
   std::string kind_;
   std::vector<int64_t> hidden_;
   bool augment_ = false;

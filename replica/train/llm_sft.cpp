@@ -445,7 +445,7 @@ SftEncoderOptions encoder_options(const RunConfig& config, int64_t max_length) {
 class LlmSft final : public Workload {
  public:
   LlmSft(const RunConfig& config, const WorkloadContext& context)
-      : config_(config), settings_(llm_sft_settings(config)) {
+      : config_(config), context_(context), settings_(llm_sft_settings(config)) {
     check_llm_sft_config(config);
     const bool main = context.is_main();
     const bool bf16 = config.params.mixed_precision == Precision::Bf16;
@@ -534,12 +534,12 @@ class LlmSft final : public Workload {
   }
 
   torch::Tensor train_loss_sum(const std::vector<int64_t>& indices) override {
-    const PackedBatch b = make_packed_batch(train_, rows_, indices, pad_id_);
+    const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_));
     auto logits = model_->forward(b.input_ids, {}, b.segment_ids);
     return models::causal_lm_loss_sum(logits, b.labels, b.segment_ids).sum;
   }
   torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
-    const PackedBatch b = make_packed_batch(train_, rows_, indices, pad_id_);
+    const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_));
     auto logits = model_->forward(b.input_ids, {}, b.segment_ids);
     return models::causal_lm_loss(logits, b.labels, b.segment_ids);
   }
@@ -550,8 +550,9 @@ class LlmSft final : public Workload {
     for (int64_t i : indices) {
       const SftSample& s = valid_.at(static_cast<size_t>(i));
       const int64_t n = static_cast<int64_t>(s.ids.size());
-      auto ids = torch::tensor(std::vector<int64_t>(s.ids.begin(), s.ids.end()), torch::kInt64).view({1, n});
-      auto labels = torch::tensor(std::vector<int64_t>(s.labels.begin(), s.labels.end()), torch::kInt64).view({1, n});
+      auto ids = context_.on_device(torch::tensor(std::vector<int64_t>(s.ids.begin(), s.ids.end()), torch::kInt64).view({1, n}));
+      auto labels =
+          context_.on_device(torch::tensor(std::vector<int64_t>(s.labels.begin(), s.labels.end()), torch::kInt64).view({1, n}));
       auto logits = model_->forward(ids).to(torch::kFloat32);
       auto parts = models::causal_lm_loss_sum(logits, labels);
       sums.loss_sum += parts.sum.item<double>();
@@ -608,7 +609,12 @@ class LlmSft final : public Workload {
   }
 
  private:
+  PackedBatch on_device(PackedBatch b) const {
+    return {context_.on_device(b.input_ids), context_.on_device(b.labels), context_.on_device(b.segment_ids)};
+  }
+
   RunConfig config_;
+  WorkloadContext context_;
   LlmSftSettings settings_;
   models::LlamaForCausalLM model_{nullptr};
   models::LoraConfig lora_;

@@ -111,6 +111,10 @@ const std::vector<KeySpec>& common_keys() {
             .null_is(DistributedBackend::Ddp)
             .alias("deepspeed", DistributedBackend::Zero3)
             .shown("null, ddp, deepspeed, zero3"),
+        key("device", p, &P::device,
+            "where each worker computes: cuda (cuda:LOCAL_RANK, NCCL between workers), cpu (Gloo), or auto "
+            "(cuda when a GPU is visible)")
+            .group("Workers"),
         key("nproc_per_node", p, &P::nproc_per_node, "workers on this node (auto: usable cores, or visible GPUs)")
             .group("Workers")
             .keyword("auto", 0)
@@ -176,7 +180,8 @@ const std::vector<KeySpec>& common_keys() {
             .group("Training")
             .at_least(1)
             .known_as({"gradient_accumulation_steps"}),
-        key("mixed_precision", p, &P::mixed_precision, "bf16: autocast compute, fp32 master weights")
+        key("mixed_precision", p, &P::mixed_precision,
+            "bf16: autocast compute, fp32 master weights; fp16: the same in float16, with dynamic loss scaling")
             .group("Training")
             .null_is(Precision::Fp32)
             .alias("no", Precision::Fp32)  // Accelerate's spelling

@@ -41,10 +41,16 @@ struct EnumNames<DistributedBackend> {
   static constexpr std::array<const char*, 2> names = {"ddp", "zero3"};
 };
 
-enum class Precision { Fp32, Bf16 };
+enum class DeviceKind { Auto, Cpu, Cuda };
+template <>
+struct EnumNames<DeviceKind> {
+  static constexpr std::array<const char*, 3> names = {"auto", "cpu", "cuda"};
+};
+
+enum class Precision { Fp32, Bf16, Fp16 };
 template <>
 struct EnumNames<Precision> {
-  static constexpr std::array<const char*, 2> names = {"fp32", "bf16"};
+  static constexpr std::array<const char*, 3> names = {"fp32", "bf16", "fp16"};
 };
 
 enum class OptimizerKind { Sgd, AdamW };
@@ -97,6 +103,7 @@ struct DataConfig {
 // Keys of every task: run control, the engine, the training loop (table: run_config.cpp).
 struct RunParams {
   DistributedBackend distributed_backend = DistributedBackend::Ddp;
+  DeviceKind device = DeviceKind::Auto;     // auto: a GPU when one is visible, else the CPU
   int nproc_per_node = 0;                   // 0 = auto (usable cores on CPU)
   std::string master_addr = "127.0.0.1";
   int master_port = 0;                      // 0 = pick a free port (single node)

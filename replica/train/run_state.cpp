@@ -81,11 +81,14 @@ TrainerState resume(const RunConfig& config, int64_t step, ParallelEngine& engin
     state.micro_step = samples_done / (static_cast<int64_t>(p.batch_size) * pg.size());
     state.world_size = pg.size();
   }
-  auto rng = std::find_if(ckpt.rng.begin(), ckpt.rng.end(), [](const auto& t) { return t.first == "cpu"; });
-  if (rng != ckpt.rng.end()) {
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
+  // The global generators: the CPU's, and the GPU's where the engine computes (dropout there).
+  for (const auto& [name, state_tensor] : ckpt.rng) {
+    if (name != "cpu" && name != "cuda") continue;
+    if (name == "cuda" && !engine.device().is_cuda()) continue;  // resumed on the CPU: its own draws
+    at::Generator gen = name == "cpu" ? at::detail::getDefaultCPUGenerator()
+                                      : at::globalContext().defaultGenerator(engine.device());
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng->second);
+    gen.set_state(state_tensor);
   }
   workload.load_rng_state(ckpt.rng, dir + "/rng_state.safetensors");
   if (pg.rank() == 0) {
@@ -108,6 +111,7 @@ void save_run_checkpoint(const RunConfig& config, const TrainerState& state, Par
     c.state.log_history.erase(c.state.log_history.begin(), c.state.log_history.end() - 20);
   }
   c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+  if (engine.device().is_cuda()) c.rng.emplace_back("cuda", at::globalContext().defaultGenerator(engine.device()).get_state());
   for (auto& t : workload.rng_state()) c.rng.push_back(std::move(t));
   save_checkpoint(config.project_name, c, config.params.save_total_limit);
 }

@@ -1,5 +1,6 @@
 #include "replica/train/trainer.h"
 
+#include "replica/core/cuda.h"
 #include "replica/core/error.h"
 #include "replica/core/files.h"
 #include "replica/core/system.h"
@@ -9,6 +10,7 @@
 #include "replica/obs/plot.h"
 #include "replica/obs/timeline.h"
 #include "replica/train/engine.h"
+#include "replica/train/loss_scale.h"
 #include "replica/train/optim.h"
 #include "replica/train/run_state.h"
 #include "replica/train/schedule.h"
@@ -58,8 +60,14 @@ int worker_threads(const RunParams& p, const distributed::WorldInfo& world) {
   return threads;
 }
 
-distributed::ProcessGroupOptions process_group_options(const RunParams& p) {
+distributed::ProcessGroupOptions process_group_options(const RunParams& p, torch::Device device) {
   distributed::ProcessGroupOptions options;
+  // NCCL between GPUs (control tensors kept on the CPU are staged through the device by the
+  // process group), Gloo on the CPU.
+  if (device.is_cuda()) {
+    options.backend = "nccl";
+    options.cuda_device = device.index();
+  }
   double rdzv_timeout = p.rdzv_timeout;
   // REPLICA_RDZV_TIMEOUT applies where the configuration left the default.
   if (auto t = env("REPLICA_RDZV_TIMEOUT"); t && p.rdzv_timeout == RunParams{}.rdzv_timeout) {
@@ -97,8 +105,10 @@ class Loop {
                                       : p_.epochs * ((micro_per_epoch_ + p_.gradient_accumulation - 1) /
                                                      p_.gradient_accumulation)),
         warmup_(warmup_steps(p_.warmup_steps, p_.warmup_ratio, total_steps_)),
-        log_(config, pg, start, total_steps_) {
+        log_(config, pg, start, total_steps_),
+        scaler_(p_.mixed_precision == Precision::Fp16) {
     if (micro_per_epoch_ == 0) fail("the training split '{}' is empty", config.data.train_split);
+    scaler_.restore(state_.loss_scale, state_.loss_scale_good_steps);  // a resumed fp16 run
   }
 
   // Rank 0 ends its progress bar (before any other rank may print again: a line written
@@ -171,7 +181,8 @@ class Loop {
       const double comm_wait_before = engine_.comm_wait_seconds();
       {
         obs::Span backward_span("backward", "compute");
-        engine_.backward(loss, /*sync=*/k + 1 == group);
+        // fp16: the loss scaled up, so that small gradients survive in float16 (loss_scale.h).
+        engine_.backward(scaler_.enabled() ? loss * scaler_.scale() : loss, /*sync=*/k + 1 == group);
       }
       log_.split().backward += since(backward_start);
       log_.split().comm_wait += engine_.comm_wait_seconds() - comm_wait_before;
@@ -180,13 +191,23 @@ class Loop {
     const auto optimizer_start = Clock::now();
     {
       obs::Span optimizer_span("optimizer step", "compute");
-      // The global norm over every worker's gradients: clipped when asked, logged anyway.
-      if (p_.max_grad_norm > 0 || log_.is_logged(state_.global_step + 1)) {
-        grad_norm_ = engine_.clip_grad_norm(p_.max_grad_norm > 0 ? p_.max_grad_norm
-                                                                 : std::numeric_limits<double>::infinity());
+      // fp16: gradients back to their true size; an overflow on any rank skips the step on all.
+      const bool finite = scaler_.unscale_and_check(engine_.parameters(), pg_);
+      if (finite) {
+        // The global norm over every worker's gradients: clipped when asked, logged anyway.
+        if (p_.max_grad_norm > 0 || log_.is_logged(state_.global_step + 1)) {
+          grad_norm_ = engine_.clip_grad_norm(p_.max_grad_norm > 0 ? p_.max_grad_norm
+                                                                   : std::numeric_limits<double>::infinity());
+        }
+        optimizer_.step();
+      } else if (pg_.rank() == 0) {
+        spdlog::warn("step {}: fp16 gradients overflowed; step skipped, loss scale {} -> {}", state_.global_step + 1,
+                     scaler_.scale(), scaler_.scale() * LossScaler::kBackoffFactor);
       }
-      optimizer_.step();
-      engine_.after_step();
+      engine_.after_step();  // collective where sharded: every rank, stepped or not
+      scaler_.update(finite);
+      state_.loss_scale = scaler_.enabled() ? scaler_.scale() : 0;
+      state_.loss_scale_good_steps = scaler_.good_steps();
     }
     log_.split().optimizer += since(optimizer_start);
     state_.micro_step += group;
@@ -213,13 +234,17 @@ class Loop {
   torch::Tensor forward(const std::vector<int64_t>& indices, double item_scale, int64_t group) {
     const auto forward_start = Clock::now();
     obs::Span forward_span("forward", "compute");
-    const bool bf16 = p_.mixed_precision == Precision::Bf16;
-    at::autocast::set_autocast_enabled(at::kCPU, bf16);
-    if (bf16) at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    // Autocast on the engine's device, the dtype set explicitly (CUDA's default is fp16).
+    const bool mixed = p_.mixed_precision != Precision::Fp32;
+    const auto device = engine_.device().type();
+    at::autocast::set_autocast_enabled(device, mixed);
+    if (mixed) {
+      at::autocast::set_autocast_dtype(device, p_.mixed_precision == Precision::Bf16 ? at::kBFloat16 : at::kHalf);
+    }
     torch::Tensor loss = item_scale > 0 ? workload_.train_loss_sum(indices).to(torch::kFloat) * item_scale
                                         : workload_.train_loss(indices).to(torch::kFloat) / static_cast<double>(group);
-    at::autocast::set_autocast_enabled(at::kCPU, false);
-    if (bf16) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device, false);
+    if (mixed) at::autocast::clear_cache();
     log_.split().forward += since(forward_start);
     return loss;
   }
@@ -248,6 +273,7 @@ class Loop {
   data::DistributedSampler sampler_;
   const int64_t micro_per_epoch_, total_steps_, warmup_;
   StepLog log_;
+  LossScaler scaler_;
   double grad_norm_ = 0;
 };
 
@@ -268,7 +294,8 @@ int run_worker(const RunConfig& config) {
   keep_freed_memory_in_process();
   if (p.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
 
-  auto pg = distributed::init_process_group(world, process_group_options(p));
+  const torch::Device device = worker_device(p.device, world);  // before any allocation
+  auto pg = distributed::init_process_group(world, process_group_options(p, device));
   const bool main = pg->rank() == 0;
   // params.timeline (--timeline FILE), or REPLICA_TIMELINE for programs that run the trainer
   // without a config of their own; relative to the directory the run was started in.
@@ -276,13 +303,14 @@ int run_worker(const RunConfig& config) {
   if (!p.timeline.empty()) timeline_file = p.timeline;
   if (timeline_file) obs::Timeline::instance().enable(pg->rank());
   if (main) {
-    spdlog::info("replica: task {} on {} worker{} ({} thread{} each), backend {}", name_of(config.task), pg->size(),
-                 pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s", name_of(p.distributed_backend));
+    spdlog::info("replica: task {} on {} worker{} ({} thread{} each, {}), backend {}", name_of(config.task),
+                 pg->size(), pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s",
+                 device.is_cuda() ? "cuda:LOCAL_RANK" : "cpu", name_of(p.distributed_backend));
   }
 
   torch::manual_seed(static_cast<uint64_t>(p.seed));
-  auto workload = make_workload(config, WorkloadContext{pg, world, threads, torch::kCPU});
-  auto engine = make_engine(p, workload->model(), pg);
+  auto workload = make_workload(config, WorkloadContext{pg, world, threads, device});
+  auto engine = make_engine(p, workload->model(), pg, device);
   auto optimizer = make_optimizer(OptimizerSpec{p.optimizer, p.lr, p.momentum, p.weight_decay}, engine->parameters());
 
   TrainerState state;
@@ -331,9 +359,15 @@ int run_worker(const RunConfig& config) {
 int run(const RunConfig& config, const std::vector<std::string>& self_argv) {
   if (distributed::world_from_env()) return run_worker(config);  // started by a launcher
   check_workload_config(config);  // what can be refused before any worker starts
+  // The GPUs the workers will use (Note [worker device] in engine.cpp): none on the CPU.
+  const int gpus = config.params.device == DeviceKind::Cpu ? 0 : visible_gpu_count();
+  if (config.params.device == DeviceKind::Cuda && gpus == 0) {
+    fail("device cuda asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES={}); use device: cpu",
+         env("CUDA_VISIBLE_DEVICES").value_or("unset"));
+  }
   const int nproc = config.params.nproc_per_node == 0
-                        ? launch::resolve_nproc("auto")
-                        : launch::resolve_nproc(std::to_string(config.params.nproc_per_node));
+                        ? launch::resolve_nproc("auto", gpus)
+                        : launch::resolve_nproc(std::to_string(config.params.nproc_per_node), gpus);
   if (nproc == 1) return run_worker(config);
   launch::LaunchOptions opts;
   opts.nproc_per_node = nproc;

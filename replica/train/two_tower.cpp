@@ -237,7 +237,7 @@ ColumnNames id_columns(const RunConfig& config) {
 class TwoTowerWorkload final : public Workload {
  public:
   TwoTowerWorkload(const RunConfig& config, const WorkloadContext& context)
-      : pg_(context.pg), temperature_(config.two_tower.temperature), top_k_(config.two_tower.top_k) {
+      : context_(context), pg_(context.pg), temperature_(config.two_tower.temperature), top_k_(config.two_tower.top_k) {
     ColumnNames names = id_columns(config);
     train_ = read_split(config, config.data.train_split, names, /*discover=*/true);
     if (config.data.valid_split) valid_ = read_split(config, *config.data.valid_split, names, /*discover=*/false);
@@ -275,10 +275,11 @@ class TwoTowerWorkload final : public Workload {
 
   torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
     const torch::Tensor rows = torch::tensor(indices, torch::kLong);
-    torch::Tensor users = model_->user_embedding(train_.columns[user_column_].index_select(0, rows),
-                                                 features(train_, user_features_, rows));
-    torch::Tensor items = model_->item_embedding(train_.columns[item_column_].index_select(0, rows),
-                                                 features(train_, item_features_, rows));
+    const auto& c = context_;
+    torch::Tensor users = model_->user_embedding(c.on_device(train_.columns[user_column_].index_select(0, rows)),
+                                                 c.on_device(features(train_, user_features_, rows)));
+    torch::Tensor items = model_->item_embedding(c.on_device(train_.columns[item_column_].index_select(0, rows)),
+                                                 c.on_device(features(train_, item_features_, rows)));
     if (pg_ && pg_->size() > 1) {
       // Negatives from the whole global batch; every rank holds the same number of rows.
       torch::Tensor all_items = ddp::all_gather_with_grad(items, *pg_);
@@ -291,8 +292,9 @@ class TwoTowerWorkload final : public Workload {
     torch::NoGradGuard no_grad;
     EvalSums sums;
     const int64_t num_items = model_->options().num_items;
-    torch::Tensor all_items =
-        model_->item_embedding(torch::arange(num_items, torch::kLong), item_features_.empty() ? torch::Tensor() : catalogue_);
+    const auto& c = context_;
+    torch::Tensor all_items = model_->item_embedding(c.on_device(torch::arange(num_items, torch::kLong)),
+                                                     item_features_.empty() ? torch::Tensor() : c.on_device(catalogue_));
     const std::string k = std::to_string(top_k_);
     sums.extra["recall_at_" + k] = 0;
     sums.extra["ndcg_at_" + k] = 0;
@@ -300,9 +302,9 @@ class TwoTowerWorkload final : public Workload {
     for (size_t begin = 0; begin < indices.size(); begin += chunk) {
       std::vector<int64_t> part(indices.begin() + begin, indices.begin() + std::min(indices.size(), begin + chunk));
       const torch::Tensor rows = torch::tensor(part, torch::kLong);
-      torch::Tensor users = model_->user_embedding(valid_.columns[user_column_].index_select(0, rows),
-                                                   features(valid_, user_features_, rows));
-      torch::Tensor targets = valid_.columns[item_column_].index_select(0, rows);
+      torch::Tensor users = model_->user_embedding(c.on_device(valid_.columns[user_column_].index_select(0, rows)),
+                                                   c.on_device(features(valid_, user_features_, rows)));
+      torch::Tensor targets = c.on_device(valid_.columns[item_column_].index_select(0, rows));
       torch::Tensor scores = torch::matmul(users, all_items.t());
       sums.loss_sum += torch::nn::functional::cross_entropy(
                            scores / temperature_, targets,
@@ -343,6 +345,7 @@ class TwoTowerWorkload final : public Workload {
     return torch::stack(cols, 1);
   }
 
+  WorkloadContext context_;
   std::shared_ptr<distributed::ProcessGroup> pg_;
   double temperature_;
   int64_t top_k_;

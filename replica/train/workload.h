@@ -29,6 +29,12 @@ struct WorkloadContext {
   int threads = 1;               // intra-op threads of this worker
   torch::Device device = torch::kCPU;
   bool is_main() const { return world.rank == 0; }  // reports on the data, writes final/
+  // A batch tensor (built on the CPU) where the model is: on CUDA copied from pinned memory
+  // without blocking the host (the copy is ordered before the kernels that read it).
+  torch::Tensor on_device(const torch::Tensor& t) const {
+    if (!t.defined() || !device.is_cuda()) return t;
+    return t.pin_memory().to(device, /*non_blocking=*/true);
+  }
 };
 
 struct EvalSums {
@@ -84,7 +90,7 @@ class Workload {
   // The state of the workload's own random draws (augmentation), written to the checkpoint's
   // rng_state.safetensors beside the global generator's and handed back on resume, so that a
   // resumed run draws what the uninterrupted run draws. Only rank 0's is saved, so it must
-  // be the same on every rank. Names must not clash with "cpu" (the global generator).
+  // be the same on every rank. Names must not clash with "cpu" and "cuda" (the global generators).
   virtual io::NamedTensors rng_state() const { return {}; }
   virtual void load_rng_state(const io::NamedTensors& tensors, const std::string& where) {}
 };

@@ -4,6 +4,7 @@
 // bound; nothing relies on a sleep being long enough.
 #include "replica/launch/launcher.h"
 
+#include "replica/core/cuda.h"
 #include "replica/core/error.h"
 #include "replica/core/system.h"
 
@@ -377,17 +378,35 @@ TEST_F(LauncherTest, InvalidOptionsAreErrors) {
   EXPECT_THROW(replica::launch::run(o), replica::Error);
 }
 
+// On the CPU (no GPU, or a job on the CPU: gpus = 0).
 TEST(ResolveNproc, AutoAndNumbers) {
   const int cores = replica::usable_cores();
-  EXPECT_EQ(replica::launch::resolve_nproc("auto"), cores);
-  EXPECT_EQ(replica::launch::resolve_nproc("1"), 1);
-  EXPECT_EQ(replica::launch::resolve_nproc(std::to_string(4 * cores)), 4 * cores);
+  EXPECT_EQ(replica::launch::resolve_nproc("auto", 0), cores);
+  EXPECT_EQ(replica::launch::resolve_nproc("1", 0), 1);
+  EXPECT_EQ(replica::launch::resolve_nproc(std::to_string(4 * cores), 0), 4 * cores);
+  // Without a count: the GPUs this process sees (none on CI).
+  EXPECT_EQ(replica::launch::resolve_nproc("auto"), replica::launch::resolve_nproc("auto", replica::visible_gpu_count()));
+}
+
+// With GPUs: one worker per GPU; more is an error naming both counts.
+TEST(ResolveNproc, OneWorkerPerGpu) {
+  EXPECT_EQ(replica::launch::resolve_nproc("auto", 8), 8);
+  EXPECT_EQ(replica::launch::resolve_nproc("2", 8), 2);
+  EXPECT_EQ(replica::launch::resolve_nproc("8", 8), 8);
+  try {
+    replica::launch::resolve_nproc("3", 2);
+    FAIL() << "expected replica::Error";
+  } catch (const replica::Error& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("nproc_per_node 3 exceeds the 2 GPUs visible on this node", 0), 0u) << what;
+    EXPECT_NE(what.find("start at most 2"), std::string::npos) << what;
+  }
 }
 
 TEST(ResolveNproc, BadValuesNameTheValue) {
   for (const std::string bad : {"0", "-1", "abc", "", "2x"}) {
     try {
-      replica::launch::resolve_nproc(bad);
+      replica::launch::resolve_nproc(bad, 0);
       ADD_FAILURE() << "no error for '" << bad << "'";
     } catch (const replica::Error& e) {
       EXPECT_NE(std::string(e.what()).find("'" + bad + "'"), std::string::npos) << e.what();
@@ -399,7 +418,7 @@ TEST(ResolveNproc, TooManyWorkersPerCore) {
   const int cores = replica::usable_cores();
   const int n = 4 * cores + 1;
   try {
-    replica::launch::resolve_nproc(std::to_string(n));
+    replica::launch::resolve_nproc(std::to_string(n), 0);
     FAIL() << "expected replica::Error";
   } catch (const replica::Error& e) {
     const std::string expected = "nproc_per_node " + std::to_string(n) + " exceeds the limit of " +
@@ -407,7 +426,7 @@ TEST(ResolveNproc, TooManyWorkersPerCore) {
                                  (cores == 1 ? " core" : " cores") + ") on CPU";
     EXPECT_EQ(e.what(), expected);
   }
-  EXPECT_THROW(replica::launch::resolve_nproc("99999999999999"), replica::Error);
+  EXPECT_THROW(replica::launch::resolve_nproc("99999999999999", 0), replica::Error);
 }
 
 TEST(FindFreePort, ReturnsABindablePort) {

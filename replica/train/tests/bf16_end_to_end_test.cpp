@@ -1,4 +1,4 @@
-// bf16 mixed precision end to end, for every task, at world 2, under DDP (sharded optimizer
+// bf16 mixed precision end to end (and fp16 for the MLP), for every task, at world 2, under DDP (sharded optimizer
 // step and plain) and ZeRO-3, through the real `replica` program: the run succeeds, its loss
 // falls, and its weights stay close to the fp32 run's. "Close" is measured against how far
 // training moved them:
@@ -117,7 +117,8 @@ class Bf16EndToEnd : public replica::testing::ScratchDirTest, public ::testing::
     return load_tensors(dir_ / name / "final" / task.weights);
   }
 
-  void check(const Task& task, double bound) {
+  // `precision` (bf16 or fp16) against fp32; `label` names the task in the output.
+  void check(const Task& task, double bound, const std::string& label, const std::string& precision = "bf16") {
     if (HasFailure()) return;
     const Tensors fp32 = run(task, "fp32", "fp32", "ddp");
     // The same first step with a learning rate of 1e-30: the initial weights.
@@ -132,20 +133,20 @@ class Bf16EndToEnd : public replica::testing::ScratchDirTest, public ::testing::
       const std::string backend = variant == "zero3" ? "zero3" : "ddp";
       std::vector<std::string> extra;
       if (variant == "ddp-unsharded") extra = {"--shard-optimizer", "false"};
-      const Tensors bf16 = run(task, "bf16-" + variant, "bf16", backend, extra);
+      const Tensors bf16 = run(task, precision + "-" + variant, precision, backend, extra);
       if (HasFailure()) return;
       for (const auto& [name, t] : bf16) {
         EXPECT_EQ(t.scalar_type(), fp32.at(name).scalar_type()) << name << ": fp32 master weights are saved";
       }
       const double off = replica::testing::l2_distance(bf16, fp32) / moved;
-      const auto losses = train_losses(dir_ / ("bf16-" + variant));
+      const auto losses = train_losses(dir_ / (precision + "-" + variant));
       ASSERT_GE(losses.size(), 6u);
       double first = 0, last = 0;
       for (size_t i = 0; i < 3; ++i) {
         first += losses[i] / 3;
         last += losses[losses.size() - 1 - i] / 3;
       }
-      std::cout << "[" << GetParam() << " " << variant << "] bf16 vs fp32: ||dw|| / ||moved|| " << off
+      std::cout << "[" << label << " " << variant << "] " << precision << " vs fp32: ||dw|| / ||moved|| " << off
                 << "; loss (first 3 / last 3 steps) " << first << " -> " << last << "\n";
       EXPECT_LE(off, bound);
       EXPECT_LT(last, first);
@@ -157,10 +158,16 @@ class Bf16EndToEnd : public replica::testing::ScratchDirTest, public ::testing::
 
 TEST_P(Bf16EndToEnd, LossFallsAndWeightsStayCloseToFp32) {
   const std::string task = GetParam();
-  if (task == "mlp") check(image_task("mlp", 30, 32, 0.05), 0.1);
-  if (task == "resnet18") check(image_task("resnet18", 12, 32, 0.005), 0.35);
-  if (task == "two-tower") check(two_tower_task(), 0.35);
-  if (task == "llm-sft") check(llm_task(), 0.1);
+  if (task == "mlp") check(image_task("mlp", 30, 32, 0.05), 0.1, task);
+  if (task == "resnet18") check(image_task("resnet18", 12, 32, 0.005), 0.35, task);
+  if (task == "two-tower") check(two_tower_task(), 0.35, task);
+  if (task == "llm-sft") check(llm_task(), 0.1, task);
+}
+
+// fp16: float16 autocast with dynamic loss scaling (train/loss_scale.h), the MLP under the same
+// three engines: the loss falls and the weights stay as close to fp32's as bf16's do.
+TEST_F(Bf16EndToEnd, Fp16WithLossScalingTrainsTheMlpLikeFp32) {
+  check(image_task("mlp", 30, 32, 0.05), 0.1, "mlp", "fp16");
 }
 
 INSTANTIATE_TEST_SUITE_P(Tasks, Bf16EndToEnd, ::testing::Values("mlp", "resnet18", "two-tower", "llm-sft"),

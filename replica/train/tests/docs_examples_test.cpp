@@ -57,6 +57,7 @@ const std::vector<std::pair<std::string, std::string>> kOutsideRules = {
      "several hosts (another node's --master-addr); FaultTolerance.TwoNodesInTwoNetworkNamespacesMatchOneNode"},
     {R"(^mpirun\b)", "mpirun on the reader's run.yaml; FaultTolerance.MpirunWorkersMatchTheLauncher"},
     {R"(^srun\b)", "Slurm's srun (no Slurm here); World.ReadsTorchrunMpiAndSlurmVariables"},
+    {R"(^CUDA_VISIBLE_DEVICES=|--device cuda\b)", "GPUs (none here); the gpu tests and scripts/gpu_check.sh"},
 };
 
 // The synopses README shows, by their start. A line skipped for its placeholders that starts

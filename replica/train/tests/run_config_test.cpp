@@ -247,8 +247,9 @@ TEST_F(ConfigTest, EnumerationsAndRanges) {
             "run.yaml:7: key 'params.optimizer' must be one of sgd, adamw, got 'adam'");
   EXPECT_EQ(error_of(image_yaml("  scheduler: step\n")),
             "run.yaml:7: key 'params.scheduler' must be one of constant, linear, cosine, got 'step'");
-  EXPECT_EQ(error_of(image_yaml("  mixed_precision: fp16\n")),
-            "run.yaml:7: key 'params.mixed_precision' must be one of fp32, bf16, got 'fp16'");
+  EXPECT_EQ(error_of(image_yaml("  mixed_precision: fp8\n")),
+            "run.yaml:7: key 'params.mixed_precision' must be one of fp32, bf16, fp16, got 'fp8'");
+  EXPECT_EQ(parse_config(image_yaml("  mixed_precision: fp16\n"), "r").params.mixed_precision, Precision::Fp16);
   EXPECT_EQ(error_of("task: gan\n"),
             "run.yaml:1: key 'task' must be one of llm-sft, image-classification, two-tower, got 'gan'");
   EXPECT_EQ(
