@@ -4,6 +4,7 @@
 #include "replica/models/llama.h"
 
 #include "replica/core/error.h"
+#include "replica/models/recompute.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -564,7 +565,14 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
 
   auto [cos, sin] = rotary_.forward(positions, h.scalar_type());
   for (const auto& layer : *layers) {
-    h = run_layer(*layer, [&] { return layer->as<LlamaDecoderLayerImpl>()->forward(h, cos, sin, allowed); });
+    auto* decoder = layer->as<LlamaDecoderLayerImpl>();
+    h = run_layer(*layer, [&] {
+      if (!recompute_layers_) return decoder->forward(h, cos, sin, allowed);
+      // The closure keeps what the recomputation in backward needs (the layer, cos, sin, mask).
+      return recomputed(*layer, [layer, cos = cos, sin = sin, allowed](const torch::Tensor& x) {
+        return layer->as<LlamaDecoderLayerImpl>()->forward(x, cos, sin, allowed);
+      }, h);
+    });
   }
   return run_layer(*norm, [&] { return norm(h); });
 }

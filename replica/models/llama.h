@@ -183,6 +183,9 @@ class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
                         const torch::Tensor& segment_ids);
   // embed_tokens, each decoder layer, norm.
   std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;
+  // Activation checkpointing of every decoder layer (models/recompute.h): off by default.
+  void set_gradient_checkpointing(bool on) { recompute_layers_ = on; }
+  bool gradient_checkpointing() const { return recompute_layers_; }
   Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
@@ -190,6 +193,7 @@ class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
  private:
   LlamaConfig config_;
   RotaryEmbedding rotary_;
+  bool recompute_layers_ = false;
 };
 TORCH_MODULE(LlamaModel);
 

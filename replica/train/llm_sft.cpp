@@ -393,6 +393,11 @@ void check_llm_sft_config(const RunConfig& config) {
          config.llm.quantization);
   }
   if (config.llm.unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
+  if (config.llm.padding != "right") {
+    fail("padding {} is not supported: samples are packed into rows and only a row's end is padded (on the "
+         "right, masked out of the loss); leave padding at right",
+         config.llm.padding);
+  }
   const fs::path model(config.base_model);
   if (!fs::is_directory(model)) fail("base_model '{}' is not a model directory", config.base_model);
   if (!fs::exists(model / "config.json")) fail("base_model '{}' has no config.json", config.base_model);
@@ -453,6 +458,8 @@ class LlmSft final : public Workload {
     // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
     const auto dtype = settings_.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
     model_ = models::load_hf_model(config.base_model, dtype);
+    // AutoTrain's default: every decoder layer recomputed in backward (models/recompute.h).
+    model_->model->set_gradient_checkpointing(!config.llm.disable_gradient_checkpointing);
     if (settings_.peft) {
       lora_ = settings_.lora;
       const auto adapted = models::apply_lora(*model_, lora_);
@@ -657,7 +664,7 @@ TaskSpec llm_sft_task() {
       key("block_size", l, &L::block_size, "packed row length (-1: model_max_length)")
           .group("LLM")
           .off_or_at_least(-1, 1, "model_max_length"),
-      key("padding", l, &L::padding, "side of the padding (rows are packed: only the last one pads)")
+      key("padding", l, &L::padding, "side of the padding: right (rows are packed; only a row's end pads); left is refused")
           .group("LLM")
           .one_of({"right", "left"}),
       key("add_eos_token", l, &L::add_eos_token, "end every text sample with the tokenizer's EOS").group("LLM"),
@@ -666,7 +673,8 @@ TaskSpec llm_sft_task() {
           .one_of({"none", "int4", "int8"})
           .null_is("none"),
       key("disable_gradient_checkpointing", l, &L::disable_gradient_checkpointing,
-          "accepted for AutoTrain configs (activations are kept)")
+          "keep every decoder layer's activations instead of recomputing them in backward (activation "
+          "checkpointing, on by default as in AutoTrain: less memory, one more forward)")
           .group("LLM"),
       key("use_flash_attention_2", l, &L::use_flash_attention_2,
           "accepted for AutoTrain configs (attention is always PyTorch's fused SDPA)")

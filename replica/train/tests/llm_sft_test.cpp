@@ -752,6 +752,9 @@ TEST_F(LlmEndToEnd, UnsupportedSettingsAreClearErrors) {
   EXPECT_NE(typo.err.find("unknown flag --lora_rr (did you mean --lora-r?)"), std::string::npos) << typo;
   const Result hub = train({"--push-to-hub"});
   EXPECT_NE(hub.err.find("Hugging Face Hub"), std::string::npos) << hub;
+  const Result left = train({"--padding", "left"});
+  EXPECT_EQ(left.exit_code, 1) << left;
+  EXPECT_NE(left.err.find("padding left is not supported"), std::string::npos) << left;
   // Nothing was started, nothing written.
   EXPECT_FALSE(fs::exists(root() / "refused"));
 }

@@ -1,0 +1,132 @@
+#include "replica/models/recompute.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/torch.h>
+
+#include <optional>
+
+namespace replica::models {
+namespace {
+
+// Note [recompute]
+// PyTorch's torch.utils.checkpoint has two forms. The reentrant one calls backward() on the
+// recomputed layer from inside the outer backward, so the parameters' gradients are
+// accumulated inside that inner pass: DDP's and ZeRO-3's gradient hooks fire in a nested
+// graph task, and the end-of-backward callbacks they queue would run at the end of that
+// inner pass (PyTorch's "marked ready twice" with DDP). The non-reentrant one needs saved-
+// tensor hooks that LibTorch's C++ API does not have.
+//
+// This node does neither: its inputs are the layer's input and the layer's trainable
+// parameters themselves. In backward it runs the layer's forward again (grad on, the autocast
+// state and the RNG state of the first forward restored, so dropout draws the same masks),
+// asks torch::autograd::grad for the gradients of input and parameters (which accumulates
+// nothing), and returns them as its own outputs. The outer backward then delivers the
+// parameters' gradients to their accumulators like any other node's: DDP's buckets and ZeRO-3's
+// reductions see them in the outer pass, in order. ZeRO-3's PreBackward node sits on this
+// node's output, so the layer's parameters are gathered before the forward runs again.
+struct AutocastState {
+  bool enabled = false;
+  at::ScalarType dtype = at::kBFloat16;
+};
+
+AutocastState autocast_state(c10::DeviceType device) {
+  return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+}
+
+void set_autocast_state(c10::DeviceType device, const AutocastState& s) {
+  at::autocast::set_autocast_enabled(device, s.enabled);
+  at::autocast::set_autocast_dtype(device, s.dtype);
+}
+
+struct RecomputeBackward final : torch::autograd::Node {
+  std::function<torch::Tensor(const torch::Tensor&)> fn;
+  torch::Tensor input;              // the layer's input, detached
+  bool input_requires_grad = false;
+  std::vector<torch::Tensor> params;  // trainable, in next-edge order after the input
+  c10::Device device = torch::kCPU;
+  AutocastState autocast;
+  torch::Tensor cpu_rng;
+  std::optional<torch::Tensor> device_rng;
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    // The first forward's RNG state for the recomputation; the run's own continues after it.
+    at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();
+    const torch::Tensor cpu_now = cpu_gen.get_state();
+    cpu_gen.set_state(cpu_rng);
+    std::optional<at::Generator> device_gen;
+    torch::Tensor device_now;
+    if (device_rng) {
+      device_gen = at::globalContext().defaultGenerator(device);
+      device_now = device_gen->get_state();
+      device_gen->set_state(*device_rng);
+    }
+    const AutocastState autocast_now = autocast_state(device.type());
+    set_autocast_state(device.type(), autocast);
+
+    torch::autograd::variable_list out(1 + params.size());
+    {
+      torch::AutoGradMode grad_on(true);
+      torch::Tensor x = input.detach().requires_grad_(input_requires_grad);
+      torch::Tensor y = fn(x);
+      set_autocast_state(device.type(), autocast_now);
+      torch::autograd::variable_list inputs;
+      if (input_requires_grad) inputs.push_back(x);
+      inputs.insert(inputs.end(), params.begin(), params.end());
+      if (!inputs.empty() && y.requires_grad()) {
+        const auto got = torch::autograd::grad({y}, inputs, {grads[0]}, /*retain_graph=*/false,
+                                               /*create_graph=*/false, /*allow_unused=*/true);
+        size_t k = 0;
+        if (input_requires_grad) out[0] = got[k++];
+        for (size_t i = 0; i < params.size(); ++i) out[1 + i] = got[k++];
+      }
+    }
+    set_autocast_state(device.type(), autocast_now);
+    cpu_gen.set_state(cpu_now);
+    if (device_gen) device_gen->set_state(device_now);
+    return out;
+  }
+
+  void release_variables() override {
+    input = torch::Tensor();
+    fn = nullptr;
+  }
+};
+
+}  // namespace
+
+torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(const torch::Tensor&)> fn,
+                         const torch::Tensor& x) {
+  if (!torch::GradMode::is_enabled()) return fn(x);
+  std::vector<torch::Tensor> params;
+  for (auto& p : layer.parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  if (params.empty() && !x.requires_grad()) return fn(x);
+
+  auto node = std::make_shared<RecomputeBackward>();
+  node->device = x.device();
+  node->autocast = autocast_state(x.device().type());
+  node->cpu_rng = at::detail::getDefaultCPUGenerator().get_state();
+  if (x.device().is_cuda()) node->device_rng = at::globalContext().defaultGenerator(x.device()).get_state();
+  torch::Tensor y;
+  {
+    torch::NoGradGuard no_grad;
+    y = fn(x);
+  }
+  node->fn = std::move(fn);
+  node->input = x.detach();
+  node->input_requires_grad = x.requires_grad();
+  node->params = params;
+  torch::autograd::edge_list edges = torch::autograd::collect_next_edges(x);
+  for (const auto& p : params) {
+    auto more = torch::autograd::collect_next_edges(p);
+    edges.insert(edges.end(), more.begin(), more.end());
+  }
+  node->set_next_edges(std::move(edges));
+  torch::autograd::set_history(y, node);
+  return y;
+}
+
+}  // namespace replica::models

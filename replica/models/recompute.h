@@ -1,0 +1,20 @@
+// Activation (gradient) checkpointing of one layer: its forward runs without keeping the
+// activations autograd would save, and its backward runs the forward again to get them
+// (Note [recompute] in recompute.cpp). Memory per layer drops to its input; compute grows by
+// one forward.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <functional>
+
+namespace replica::models {
+
+// fn(x) for `layer` (whose parameters fn uses), checkpointed when autograd records (else a plain
+// call). fn must compute the same thing when called again: what it captures stays alive and
+// unchanged until the backward (the RNG and autocast state are restored for it).
+torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(const torch::Tensor&)> fn,
+                         const torch::Tensor& x);
+
+}  // namespace replica::models

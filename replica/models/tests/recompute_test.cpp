@@ -1,0 +1,130 @@
+// Activation checkpointing (models/recompute.h) changes memory, not numbers: a Llama with every
+// decoder layer recomputed in backward gives the gradients of the same model without it, for a
+// full fine-tune, for LoRA with dropout (the recomputation draws the same masks), with packed
+// segments, and under bf16 autocast; and the RNG stream the run continues with is the same.
+#include "replica/models/llama.h"
+#include "replica/models/lora.h"
+
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <set>
+#include <string>
+
+using namespace replica::models;
+
+namespace {
+
+LlamaConfig tiny_config() {
+  return parse_llama_config(R"({"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5})",
+                            "tiny config");
+}
+
+struct Pass {
+  double loss = 0;
+  std::map<std::string, torch::Tensor> grads;
+  double next_draw = 0;  // the global RNG after backward
+};
+
+// One forward and backward of a fresh model (seed 7) on fixed data, with or without
+// checkpointing; `lora`: adapters with dropout 0.3, only they train; `bf16`: under autocast.
+Pass run(bool checkpointing, bool lora, bool bf16, bool packed) {
+  torch::manual_seed(7);
+  LlamaForCausalLM model(tiny_config());
+  if (lora) {
+    LoraConfig c;
+    c.r = 4;
+    c.lora_dropout = 0.3;
+    c.target_modules = {"all-linear"};
+    apply_lora(*model, c);
+    // lora_B starts at zero (PEFT): give it values, so that A's gradients are not all zero.
+    torch::NoGradGuard no_grad;
+    for (auto& item : model->named_parameters()) {
+      if (item.key().find("lora_B") != std::string::npos) item.value().normal_(0, 0.1);
+    }
+  }
+  model->model->set_gradient_checkpointing(checkpointing);
+  model->train();
+  torch::manual_seed(11);
+  auto ids = torch::randint(0, 50, {2, 12}, torch::kLong);
+  torch::Tensor segments;
+  if (packed) segments = torch::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1}, torch::kLong).repeat({2, 1});
+  at::autocast::set_autocast_enabled(at::kCPU, bf16);
+  if (bf16) at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  auto logits = model->forward(ids, {}, segments);
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  if (bf16) at::autocast::clear_cache();
+  auto loss = causal_lm_loss(logits, ids, segments);
+  loss.backward();
+  Pass r;
+  r.loss = loss.item<double>();
+  for (auto& item : model->named_parameters()) {
+    if (item.value().grad().defined()) r.grads[item.key()] = item.value().grad().clone();
+  }
+  r.next_draw = torch::rand({1}).item<double>();
+  return r;
+}
+
+void expect_same(const Pass& a, const Pass& b, double tolerance) {
+  EXPECT_DOUBLE_EQ(a.loss, b.loss);
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  ASSERT_FALSE(a.grads.empty());
+  for (const auto& [name, g] : a.grads) {
+    ASSERT_TRUE(b.grads.count(name)) << name;
+    EXPECT_LE((g - b.grads.at(name)).abs().max().item<double>(), tolerance) << name;
+  }
+  EXPECT_EQ(a.next_draw, b.next_draw) << "the RNG stream after backward differs";
+}
+
+TEST(Recompute, FullFineTuneGradientsAreThoseWithoutIt) {
+  expect_same(run(true, false, false, false), run(false, false, false, false), 1e-6);
+}
+
+TEST(Recompute, LoraWithDropoutDrawsTheSameMasks) {
+  const Pass with = run(true, true, false, false);
+  expect_same(with, run(false, true, false, false), 1e-6);
+  for (const auto& [name, g] : with.grads) EXPECT_NE(name.find("lora_"), std::string::npos) << name << " trains";
+}
+
+TEST(Recompute, PackedSegmentsAndBf16Autocast) {
+  expect_same(run(true, false, false, true), run(false, false, false, true), 1e-6);
+  expect_same(run(true, true, true, true), run(false, true, true, true), 1e-6);
+}
+
+// The graph holds one recompute node per decoder layer, and none without checkpointing.
+int recompute_nodes(bool checkpointing) {
+  torch::manual_seed(7);
+  LlamaForCausalLM model(tiny_config());
+  model->model->set_gradient_checkpointing(checkpointing);
+  auto logits = model->forward(torch::randint(0, 50, {1, 5}, torch::kLong));
+  std::vector<torch::autograd::Node*> todo{logits.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  int found = 0;
+  while (!todo.empty()) {
+    auto* node = todo.back();
+    todo.pop_back();
+    if (!node || !seen.insert(node).second) continue;
+    if (node->name().find("RecomputeBackward") != std::string::npos) ++found;
+    for (const auto& edge : node->next_edges()) todo.push_back(edge.function.get());
+  }
+  return found;
+}
+
+TEST(Recompute, OneNodePerDecoderLayer) {
+  EXPECT_EQ(recompute_nodes(true), 3);
+  EXPECT_EQ(recompute_nodes(false), 0);
+}
+
+TEST(Recompute, NothingIsRecordedWithoutGrad) {
+  torch::manual_seed(7);
+  LlamaForCausalLM model(tiny_config());
+  model->model->set_gradient_checkpointing(true);
+  torch::NoGradGuard no_grad;
+  auto logits = model->forward(torch::randint(0, 50, {1, 5}, torch::kLong));
+  EXPECT_FALSE(logits.requires_grad());
+}
+
+}  // namespace
