@@ -16,6 +16,7 @@
 #include <sstream>
 #include <string>
 
+#include "replica/testing/program_runner.h"
 #include "replica/text/chat_template.h"
 
 namespace replica::testing::chat_fixture {
@@ -26,13 +27,8 @@ using replica::text::ChatTemplateError;
 
 inline const std::filesystem::path kFixtures = std::filesystem::path(REPLICA_SOURCE_DIR) / "replica" / "text" / "tests" / "chat_templates";
 
-inline std::string read_file(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in.good()) << "cannot read " << p;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+// The fixtures' bytes ("" for a missing one: the comparison that follows fails on it).
+using replica::testing::read_file;
 
 inline void write_file(const std::filesystem::path& p, const std::string& text) {
   std::ofstream out(p, std::ios::binary);
