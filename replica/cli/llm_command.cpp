@@ -2,8 +2,8 @@
 //
 // `replica llm` takes AutoTrain's flags (autotrain llm --train --model ... --data-path ...
 // --project-name ... --trainer sft --peft ...): each is the twin of a YAML key of
-// task llm-sft, set through train::set_param (the same types, aliases and checks as the
-// file), so `replica llm` and `replica --config` runs are the same runs.
+// task llm-sft, set through train::set_flag (the key table's types, aliases and checks), so
+// `replica llm` and `replica --config` runs are the same runs.
 #include "replica/cli/llm_command.h"
 
 #include "replica/core/error.h"

@@ -143,7 +143,8 @@ int run_main(int argc, char** argv) {
   std::string keys_task;
   keys_cmd->add_option("TASK", keys_task, "llm-sft, image-classification or two-tower")
       ->required()
-      ->check(CLI::IsMember({"llm-sft", "image-classification", "two-tower"}));
+      ->check(CLI::IsMember(std::vector<std::string>(replica::train::EnumNames<replica::train::Task>::names.begin(),
+                                                     replica::train::EnumNames<replica::train::Task>::names.end())));
 
   auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
   std::string format = "text";

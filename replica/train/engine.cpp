@@ -227,16 +227,19 @@ class Zero3Engine final : public ParallelEngine {
 // backend (NCCL for CUDA, Gloo for the CPU), and the engine moves the model there once, before
 // DDP or ZeRO-3 wraps it; the CPU-only fast paths (the shared-memory transport, FusedSGD's
 // loop, FusedLinear's gradient homes) see CUDA tensors and step aside, each in its own place.
-torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world) {
-  if (kind == DeviceKind::Cpu) return torch::kCPU;
+int gpus_for(DeviceKind kind, const std::string& who) {
+  if (kind == DeviceKind::Cpu) return 0;
   const int gpus = visible_gpu_count();
-  if (gpus == 0) {
-    if (kind == DeviceKind::Cuda) {
-      fail("rank {}: device cuda asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES={}); use device: cpu",
-           world.rank, env("CUDA_VISIBLE_DEVICES").value_or("unset"));
-    }
-    return torch::kCPU;
+  if (gpus == 0 && kind == DeviceKind::Cuda) {
+    fail("{}device cuda asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES={}); use device: cpu", who,
+         env("CUDA_VISIBLE_DEVICES").value_or("unset"));
   }
+  return gpus;
+}
+
+torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world) {
+  const int gpus = gpus_for(kind, fmt::format("rank {}: ", world.rank));
+  if (gpus == 0) return torch::kCPU;
   const int index = gpus == 1 ? 0 : world.local_rank;
   if (index >= gpus) {
     fail("rank {}: LOCAL_RANK {} has no GPU of its own: {} GPU{} visible on this node for {} workers; start "

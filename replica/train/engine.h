@@ -92,6 +92,10 @@ std::unique_ptr<ParallelEngine> make_engine(const RunParams& params, std::shared
                                             std::shared_ptr<distributed::ProcessGroup> pg,
                                             torch::Device device = torch::kCPU);
 
+// The GPUs a job on `kind` computes on: 0 for cpu (and for auto without a GPU), else the
+// visible ones; cuda without a GPU is an error (`who` starts the message: "rank 1: ").
+int gpus_for(DeviceKind kind, const std::string& who = "");
+
 // The device this worker computes on (Note [worker device] in engine.cpp), made the current
 // one; called before the first allocation and before the process group.
 torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world);

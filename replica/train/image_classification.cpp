@@ -249,6 +249,10 @@ TaskSpec image_classification_task() {
           "resnet18: imagenet (7x7/2 conv + max-pool), pooled (3x3/1 + max-pool) or small (3x3/1)")
           .group("Model"),
   };
+  t.defaults = [](RunConfig& c) {
+    c.data.path = "/usr/share/datasets/fashion-mnist";  // Debian's dataset-fashion-mnist
+    c.data.valid_split = "t10k";
+  };
   t.make = [](const RunConfig& config, const WorkloadContext& context) -> std::unique_ptr<Workload> {
     return std::make_unique<ImageClassification>(config, context);
   };

@@ -83,6 +83,18 @@ std::optional<int64_t> parse_int(const std::string& text);
 std::optional<double> parse_float(const std::string& text);
 std::optional<bool> parse_bool(std::string text);  // true/false/yes/no/on/off, any case
 
+// "a, b, c" for messages, "a|b|c" for --help, "a,b" for target_modules: `names` (strings or
+// C strings) joined with `separator`.
+template <class Names>
+std::string join_names(const Names& names, const char* separator) {
+  std::string out;
+  for (const auto& n : names) {
+    if (!out.empty()) out += separator;
+    out += n;
+  }
+  return out;
+}
+
 // ---- Codec<T>: reading a YAML value into a field of type T, and writing it back.
 // read() returns false for a value that is not of the kind, setting `culprit` to the node at
 // fault (an item of a list) when it is not the value itself.
@@ -189,11 +201,7 @@ struct Codec<std::vector<std::string>> {
   static constexpr const char* kind = "a list of names or a comma-separated string";
   static constexpr const char* hint = "A,B,...";
   static bool read(const YAML::Node& n, std::vector<std::string>& out, YAML::Node& culprit);
-  static std::string joined(const std::vector<std::string>& v) {
-    std::string out;
-    for (const auto& x : v) out += (out.empty() ? "" : ",") + x;
-    return out;
-  }
+  static std::string joined(const std::vector<std::string>& v) { return join_names(v, ","); }
   static void write(YAML::Emitter& e, const std::vector<std::string>& v) { e << joined(v); }
   static nlohmann::json json(const std::vector<std::string>& v) { return joined(v); }
   static std::string text(const std::vector<std::string>& v) { return joined(v); }
@@ -228,16 +236,8 @@ struct Codec<std::optional<bool>> {
 // The enumerations of run_config.h, by their names.
 template <class E>
 struct Codec<E, std::enable_if_t<std::is_enum_v<E>>> {
-  static std::string names() {
-    std::string out;
-    for (const char* n : EnumNames<E>::names) out += (out.empty() ? "" : ", ") + std::string(n);
-    return out;
-  }
-  static std::string hint_text() {
-    std::string out;
-    for (const char* n : EnumNames<E>::names) out += (out.empty() ? "" : "|") + std::string(n);
-    return out;
-  }
+  static std::string names() { return join_names(EnumNames<E>::names, ", "); }
+  static std::string hint_text() { return join_names(EnumNames<E>::names, "|"); }
   static bool read(const YAML::Node& n, E& out, YAML::Node& culprit) {
     auto v = n.IsScalar() ? enum_from<E>(n.Scalar()) : std::nullopt;
     if (!v) return false;
@@ -283,12 +283,8 @@ class Key {
   Key& shown(const std::string& allowed) { kind_ = "one of " + allowed; return *this; }
   // A text key that takes only these values.
   Key& one_of(std::vector<std::string> allowed) {
-    std::string text;
-    for (const auto& a : allowed) text += (text.empty() ? "" : ", ") + a;
-    kind_ = "one of " + text;
-    std::string hint;
-    for (const auto& a : allowed) hint += (hint.empty() ? "" : "|") + a;
-    hint_ = hint;
+    kind_ = "one of " + join_names(allowed, ", ");
+    hint_ = join_names(allowed, "|");
     allowed_ = std::move(allowed);
     enumeration_ = true;
     return *this;

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <tuple>
 
@@ -233,8 +234,6 @@ const std::vector<KeySpec>& common_keys() {
 
 namespace {
 
-constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
-
 const std::vector<std::string> kTopKeys = {"task",         "backend", "base_model", "model",
                                            "project_name", "data",    "log",        "params"};
 const std::vector<std::string> kDataKeys = {"path", "train_split", "valid_split", "chat_template",
@@ -247,12 +246,6 @@ const std::vector<std::string> kChatTemplates = {"tokenizer", "chatml", "llama3"
 // AutoTrain's flat LLMTrainingParams carry chat_template and text_column; replica keeps them in
 // `data:`, so these params twins are applied there.
 const std::vector<std::string> kParamsTwins = {"chat_template", "text_column"};
-
-std::string join(const std::vector<std::string>& items, const char* separator = ", ") {
-  std::string out;
-  for (const auto& item : items) out += (out.empty() ? "" : separator) + item;
-  return out;
-}
 
 bool contains(const std::vector<std::string>& items, const std::string& item) {
   return std::find(items.begin(), items.end(), item) != items.end();
@@ -277,7 +270,7 @@ std::string owners_of(const std::string& name) {
     if (own) owners.emplace_back(name_of(spec.task));
   }
   if (owners.empty()) return "";
-  return (owners.size() == 1 ? "task " : "tasks ") + join(owners);
+  return (owners.size() == 1 ? "task " : "tasks ") + join_names(owners, ", ");
 }
 
 const KeySpec* find_key(Task task, const std::string& name) {
@@ -285,6 +278,18 @@ const KeySpec* find_key(Task task, const std::string& name) {
     if (k->name == name) return k;
   }
   return nullptr;
+}
+
+// `log`'s value, from the file (`where` "run.yaml:2: ") or the flag: wandb (AutoTrain's) is
+// refused saying why, anything else must be one of LogFormat's names.
+LogFormat log_format_of(const std::string& value, const std::string& where, bool from_flag) {
+  if (value == "wandb") {
+    fail("{}{} is not available in replica (no Weights & Biases client); use one of {}", where,
+         from_flag ? "--log wandb" : "log 'wandb'", Codec<LogFormat>::names());
+  }
+  auto format = enum_from<LogFormat>(value);
+  if (!format) fail("{}{} must be one of {}, got '{}'", where, from_flag ? "--log" : "key 'log'", Codec<LogFormat>::names(), value);
+  return *format;
 }
 
 std::string read_string(const YAML::Node& node, const std::string& key, const KeyLocation& loc) {
@@ -330,7 +335,7 @@ bool check_section(const YAML::Node& node, const std::string& key, const KeyLoca
 void check_one_of(const KeyLocation& loc, const std::string& key, const std::string& value,
                   const std::vector<std::string>& allowed) {
   if (contains(allowed, value)) return;
-  fail("{}key '{}' must be one of {}, got '{}'", loc.where(key), key, join(allowed), value);
+  fail("{}key '{}' must be one of {}, got '{}'", loc.where(key), key, join_names(allowed, ", "), value);
 }
 
 void check_path(const KeyLocation& loc, const std::string& key, const std::string& path) {
@@ -403,10 +408,13 @@ void read_data(const YAML::Node& node, RunConfig& c, KeyLocation& loc) {
   });
 }
 
-struct ParamsTwins {
-  std::optional<std::string> chat_template;
-  std::optional<std::string> text_column;
-};
+// The params twins given (name -> value), applied to their data key once the file is read.
+using ParamsTwins = std::map<std::string, std::string>;
+
+// Where a params twin lives in `data:`.
+std::string twin_data_key(const std::string& twin) {
+  return twin == "chat_template" ? "data.chat_template" : "data.column_mapping." + twin;
+}
 
 void read_params(const YAML::Node& node, RunConfig& c, KeyLocation& loc, ParamsTwins& twins) {
   if (!check_section(node, "params", loc)) return;
@@ -424,10 +432,8 @@ void read_params(const YAML::Node& node, RunConfig& c, KeyLocation& loc, ParamsT
     if (const std::string owners = owners_of(key); !owners.empty() && !is_param_key(c.task, key)) {
       fail("{}key '{}' applies only to {}", loc.at(k), path, owners);
     }
-    if (key == "chat_template") {
-      twins.chat_template = v.IsNull() ? "none" : read_string(v, path, loc);
-    } else if (key == "text_column") {
-      twins.text_column = read_string(v, path, loc);
+    if (contains(kParamsTwins, key)) {
+      twins[key] = key == "chat_template" && v.IsNull() ? "none" : read_string(v, path, loc);
     } else {
       // A top-level or data key put under params by mistake is named with its section.
       std::string elsewhere = contains(kDataKeys, key) ? "data." + key : contains(kTopKeys, key) ? key : "";
@@ -436,19 +442,16 @@ void read_params(const YAML::Node& node, RunConfig& c, KeyLocation& loc, ParamsT
   });
 }
 
+// A twin given with its data key too must agree with it (a file's, or an earlier flag's).
 void apply_twins(RunConfig& c, const KeyLocation& loc, const ParamsTwins& twins) {
-  auto apply = [&](const std::optional<std::string>& twin, const std::string& data_key, std::string& target) {
-    if (!twin) return;
-    const std::string param_key = "params." + data_key.substr(data_key.rfind('.') + 1);
-    if (loc.has(data_key) && target != *twin) {
-      fail("{}key '{}' is '{}' but '{}' is '{}'; give one of them", loc.where(param_key), param_key, *twin,
+  for (const auto& [name, value] : twins) {
+    const std::string data_key = twin_data_key(name), param_key = "params." + name;
+    std::string& target = name == "chat_template" ? c.data.chat_template : c.data.column_mapping[name];
+    if (loc.has(data_key) && target != value) {
+      fail("{}key '{}' is '{}' but '{}' is '{}'; give one of them", loc.where(param_key), param_key, value,
            data_key, target);
     }
-    target = *twin;
-  };
-  apply(twins.chat_template, "data.chat_template", c.data.chat_template);
-  if (twins.text_column) {
-    apply(twins.text_column, "data.column_mapping.text_column", c.data.column_mapping["text_column"]);
+    target = value;
   }
 }
 
@@ -488,10 +491,6 @@ RunConfig default_config(Task task) {
   c.task = task;
   const TaskSpec& spec = task_spec(task);
   c.model = spec.models.empty() ? "" : spec.models.front();
-  if (task == Task::ImageClassification) {
-    c.data.path = kFashionMnistDir;
-    c.data.valid_split = "t10k";
-  }
   if (spec.defaults) spec.defaults(c);
   return c;
 }
@@ -518,8 +517,7 @@ void set_param(RunConfig& config, const std::string& key, const std::string& val
   KeyLocation loc("", false);
   ParamsTwins twins;
   read_params(params, config, loc, twins);
-  if (twins.chat_template) config.data.chat_template = *twins.chat_template;
-  if (twins.text_column) config.data.column_mapping["text_column"] = *twins.text_column;
+  apply_twins(config, loc, twins);  // `loc` has no lines: nothing to agree with
 }
 
 namespace {
@@ -565,14 +563,7 @@ RunConfig read_config(const std::string& yaml_text, const std::string& source_na
     } else if (key == "project_name") {
       c.project_name = read_string(v, key, loc);
     } else if (key == "log") {
-      const std::string log = read_string(v, key, loc);
-      if (log == "wandb") {
-        fail("{}log 'wandb' is not available in replica (no Weights & Biases client); use one of {}", loc.at(k),
-             Codec<LogFormat>::names());
-      }
-      auto format = enum_from<LogFormat>(log);
-      if (!format) fail("{}key 'log' must be one of {}, got '{}'", loc.at(k), Codec<LogFormat>::names(), log);
-      c.log = *format;
+      c.log = log_format_of(read_string(v, key, loc), loc.at(k), /*from_flag=*/false);
     } else if (key == "data") {
       read_data(v, c, loc);
     } else if (key == "params") {
@@ -619,13 +610,7 @@ void apply_flag(RunConfig& c, const std::string& typed, const std::string& value
     }
     loc.note_flag("data.valid_split", "--" + typed);
   } else if (name == "log") {
-    if (value == "wandb") {
-      fail("--log wandb is not available in replica (no Weights & Biases client); use one of {}",
-           Codec<LogFormat>::names());
-    }
-    auto format = enum_from<LogFormat>(value);
-    if (!format) fail("--log must be one of {}, got '{}'", Codec<LogFormat>::names(), value);
-    c.log = *format;
+    c.log = log_format_of(value, "", /*from_flag=*/true);
   } else if (name == "backend") {
     top("backend", c.backend);
   } else if (name == "messages_column" || name == "prompt_column" || name == "completion_column") {
@@ -636,10 +621,7 @@ void apply_flag(RunConfig& c, const std::string& typed, const std::string& value
     } catch (const Error& e) {
       fail("--{} {}: {}", typed, value, e.what());
     }
-    loc.note_flag(contains(kParamsTwins, name) ? (name == "text_column" ? "data.column_mapping.text_column"
-                                                                        : "data.chat_template")
-                                               : "params." + name,
-                  "--" + typed);
+    loc.note_flag(contains(kParamsTwins, name) ? twin_data_key(name) : "params." + name, "--" + typed);
   } else {
     fail("{}", unknown_flag_message(c.task, typed, kTopFlags));
   }

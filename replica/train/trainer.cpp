@@ -1,6 +1,5 @@
 #include "replica/train/trainer.h"
 
-#include "replica/core/cuda.h"
 #include "replica/core/error.h"
 #include "replica/core/files.h"
 #include "replica/core/system.h"
@@ -359,12 +358,7 @@ int run_worker(const RunConfig& config) {
 int run(const RunConfig& config, const std::vector<std::string>& self_argv) {
   if (distributed::world_from_env()) return run_worker(config);  // started by a launcher
   check_workload_config(config);  // what can be refused before any worker starts
-  // The GPUs the workers will use (Note [worker device] in engine.cpp): none on the CPU.
-  const int gpus = config.params.device == DeviceKind::Cpu ? 0 : visible_gpu_count();
-  if (config.params.device == DeviceKind::Cuda && gpus == 0) {
-    fail("device cuda asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES={}); use device: cpu",
-         env("CUDA_VISIBLE_DEVICES").value_or("unset"));
-  }
+  const int gpus = gpus_for(config.params.device);  // Note [worker device] in engine.cpp
   const int nproc = config.params.nproc_per_node == 0
                         ? launch::resolve_nproc("auto", gpus)
                         : launch::resolve_nproc(std::to_string(config.params.nproc_per_node), gpus);
