@@ -26,6 +26,13 @@ namespace {
 // parameters' gradients to their accumulators like any other node's: DDP's buckets and ZeRO-3's
 // reductions see them in the outer pass, in order. ZeRO-3's PreBackward node sits on this
 // node's output, so the layer's parameters are gathered before the forward runs again.
+//
+// The layer's buffers are put back as they were before the recomputation: a forward in train
+// mode updates state as a side effect (BatchNorm's running mean and variance, its batch
+// count), and the first forward already did that once. They are written back through
+// variable_data(), which shares their memory but not their version counter, so that autograd's
+// saved copy of them in the recomputed graph (batch_norm saves the running statistics) is not
+// seen as modified in place.
 struct AutocastState {
   bool enabled = false;
   at::ScalarType dtype = at::kBFloat16;
@@ -45,6 +52,7 @@ struct RecomputeBackward final : torch::autograd::Node {
   torch::Tensor input;              // the layer's input, detached
   bool input_requires_grad = false;
   std::vector<torch::Tensor> params;  // trainable, in next-edge order after the input
+  std::vector<torch::Tensor> buffers;  // the layer's, restored after the recomputation
   c10::Device device = torch::kCPU;
   AutocastState autocast;
   torch::Tensor cpu_rng;
@@ -67,10 +75,17 @@ struct RecomputeBackward final : torch::autograd::Node {
 
     torch::autograd::variable_list out(1 + params.size());
     {
+      std::vector<torch::Tensor> kept;
+      kept.reserve(buffers.size());
+      for (const auto& b : buffers) kept.push_back(b.detach().clone());
       torch::AutoGradMode grad_on(true);
       torch::Tensor x = input.detach().requires_grad_(input_requires_grad);
       torch::Tensor y = fn(x);
       set_autocast_state(device.type(), autocast_now);
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < buffers.size(); ++i) buffers[i].variable_data().copy_(kept[i]);
+      }
       torch::autograd::variable_list inputs;
       if (input_requires_grad) inputs.push_back(x);
       inputs.insert(inputs.end(), params.begin(), params.end());
@@ -91,6 +106,7 @@ struct RecomputeBackward final : torch::autograd::Node {
   void release_variables() override {
     input = torch::Tensor();
     fn = nullptr;
+    buffers.clear();
   }
 };
 
@@ -119,6 +135,9 @@ torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(c
   node->input = x.detach();
   node->input_requires_grad = x.requires_grad();
   node->params = params;
+  for (auto& b : layer.buffers()) {
+    if (b.defined()) node->buffers.push_back(b);
+  }
   torch::autograd::edge_list edges = torch::autograd::collect_next_edges(x);
   for (const auto& p : params) {
     auto more = torch::autograd::collect_next_edges(p);

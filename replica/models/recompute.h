@@ -13,7 +13,9 @@ namespace replica::models {
 
 // fn(x) for `layer` (whose parameters fn uses), checkpointed when autograd records (else a plain
 // call). fn must compute the same thing when called again: what it captures stays alive and
-// unchanged until the backward (the RNG and autocast state are restored for it).
+// unchanged until the backward (the RNG and autocast state are restored for it). The layer's
+// buffers are left by the recomputation as the first forward left them (BatchNorm's running
+// statistics are updated once, not twice).
 torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(const torch::Tensor&)> fn,
                          const torch::Tensor& x);
 

@@ -1,6 +1,7 @@
 #include "replica/models/resnet.h"
 
 #include "replica/core/error.h"
+#include "replica/models/recompute.h"
 
 #include <torch/torch.h>
 
@@ -83,7 +84,14 @@ torch::Tensor ResNet18Impl::forward(torch::Tensor x) {
   }
   x = torch::relu(bn1_.forward(conv1_->forward(x)));
   if (pool_) x = torch::max_pool2d(x, 3, 2, 1);
-  for (auto& layer : layers_) x = layer->forward(x);
+  for (auto& layer : layers_) {
+    if (!recompute_stages_) {
+      x = layer->forward(x);
+      continue;
+    }
+    // The closure holds the stage (a Sequential's handle) until the recomputation in backward.
+    x = recomputed(*layer, [stage = layer.ptr()](const torch::Tensor& in) { return stage->forward(in); }, x);
+  }
   x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
   return fc_->forward(x);
 }

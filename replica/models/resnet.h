@@ -10,6 +10,10 @@
 // conv, no pool (the CIFAR variant; layer1 at 28x28, ~16x the compute).
 // The norm layer is pluggable (BatchNorm2d by default) so that DDP runs can put
 // ddp::SyncBatchNorm2d in its place; it must keep BatchNorm2d's parameter names.
+// Activation checkpointing (set_gradient_checkpointing): each of the four stages (layer1 ..
+// layer4, two blocks each) keeps only its input and runs its forward again in backward
+// (models/recompute.h); the norm layers' running statistics are updated once per forward as
+// without it.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -38,6 +42,9 @@ class ResNet18Impl : public torch::nn::Module {
   explicit ResNet18Impl(ResNetOptions options = {});
   // x [B, in_channels, H, W] float; returns logits [B, num_classes].
   torch::Tensor forward(torch::Tensor x);
+  // Activation checkpointing of every stage: off by default.
+  void set_gradient_checkpointing(bool on) { recompute_stages_ = on; }
+  bool gradient_checkpointing() const { return recompute_stages_; }
 
  private:
   torch::nn::Conv2d conv1_{nullptr};
@@ -46,6 +53,7 @@ class ResNet18Impl : public torch::nn::Module {
   torch::nn::Linear fc_{nullptr};
   bool pool_ = true;
   int64_t in_channels_ = 1;
+  bool recompute_stages_ = false;
 };
 TORCH_MODULE(ResNet18);
 

@@ -7,6 +7,8 @@
 // (gathered, augmented, normalised) on a background thread while the current one trains
 // (Workload::prefetch), so the workers never wait for data, when a core is free for that thread;
 // when the workers' compute threads fill every core it is assembled when it is taken.
+// `gradient_checkpointing: true` (resnet18) recomputes each stage in backward
+// (models/resnet.h); BatchNorm's running statistics are updated once per forward as without it.
 //
 // The augmentation's random draws are counter-based: the n-th training micro-batch a worker
 // takes is augmented from a generator seeded by (seed, rank, n). Whichever thread prepares a
@@ -64,14 +66,17 @@ class ImageClassification final : public Workload {
  public:
   ImageClassification(const RunConfig& config, const WorkloadContext& context)
       : context_(context), kind_(config.model), hidden_(config.image.hidden_sizes), augment_(config.image.augment),
-        stem_(name_of(config.image.resnet_stem)), sync_batchnorm_(config.image.sync_batchnorm) {
+        stem_(name_of(config.image.resnet_stem)), sync_batchnorm_(config.image.sync_batchnorm),
+        gradient_checkpointing_(config.image.gradient_checkpointing) {
     const auto& pg = context.pg;
     const std::string where = config.source.empty() ? "config" : config.source;
     if (kind_ != "mlp" && kind_ != "resnet18") {
       fail("{}: model '{}' is not available for image-classification (mlp, resnet18)", where, kind_);
     }
-    if (kind_ == "mlp" && (augment_ || sync_batchnorm_)) {
-      fail("{}: params.augment and params.sync_batchnorm apply to model resnet18, not mlp", where);
+    if (kind_ == "mlp" && (augment_ || sync_batchnorm_ || gradient_checkpointing_)) {
+      fail("{}: params.augment, params.sync_batchnorm and params.gradient_checkpointing apply to model resnet18, "
+           "not mlp",
+           where);
     }
     train_ = data::load_fashion_mnist(config.data.path, config.data.train_split);
     if (config.data.valid_split) valid_ = data::load_fashion_mnist(config.data.path, *config.data.valid_split);
@@ -89,6 +94,7 @@ class ImageClassification final : public Workload {
         };
       }
       resnet_ = models::ResNet18(options);
+      resnet_->set_gradient_checkpointing(gradient_checkpointing_);
       module_ = resnet_.ptr();
     }
     // Augmentation draws from its own generators, seeded per rank, so that it neither disturbs
@@ -216,6 +222,7 @@ class ImageClassification final : public Workload {
   bool augment_ = false;
   std::string stem_;
   bool sync_batchnorm_ = false;
+  bool gradient_checkpointing_ = false;
   bool background_prefetch_ = true;
   int64_t in_features_ = 0;
   data::ImageDataset train_, valid_;
@@ -247,6 +254,10 @@ TaskSpec image_classification_task() {
       key("augment", i, &I::augment, "resnet18: random crop (padding 4) and horizontal flip").group("Model"),
       key("resnet_stem", i, &I::resnet_stem,
           "resnet18: imagenet (7x7/2 conv + max-pool), pooled (3x3/1 + max-pool) or small (3x3/1)")
+          .group("Model"),
+      key("gradient_checkpointing", i, &I::gradient_checkpointing,
+          "resnet18: recompute each stage's activations in backward instead of keeping them (activation "
+          "checkpointing: less memory, one more forward; BatchNorm statistics updated once)")
           .group("Model"),
   };
   t.defaults = [](RunConfig& c) {

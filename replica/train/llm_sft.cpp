@@ -332,13 +332,21 @@ std::vector<std::vector<int64_t>> pack_first_fit(const std::vector<int64_t>& len
   return rows;
 }
 
+std::vector<std::vector<int64_t>> one_sample_per_row(int64_t samples) {
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(samples));
+  for (int64_t s = 0; s < samples; ++s) rows[static_cast<size_t>(s)] = {s};
+  return rows;
+}
+
 PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::vector<std::vector<int64_t>>& rows,
-                              const std::vector<int64_t>& row_indices, int32_t pad_id) {
+                              const std::vector<int64_t>& row_indices, int32_t pad_id, bool pad_left) {
   const int64_t B = static_cast<int64_t>(row_indices.size());
   int64_t T = 1;
+  std::vector<int64_t> lengths;
   for (int64_t r : row_indices) {
     int64_t len = 0;
     for (int64_t s : rows.at(static_cast<size_t>(r))) len += static_cast<int64_t>(samples[static_cast<size_t>(s)].ids.size());
+    lengths.push_back(len);
     T = std::max(T, len);
   }
   PackedBatch b;
@@ -349,7 +357,7 @@ PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::
   auto labels = b.labels.accessor<int64_t, 2>();
   auto segments = b.segment_ids.accessor<int64_t, 2>();
   for (int64_t i = 0; i < B; ++i) {
-    int64_t t = 0, segment = 0;
+    int64_t t = pad_left ? T - lengths[static_cast<size_t>(i)] : 0, segment = 0;
     for (int64_t s : rows.at(static_cast<size_t>(row_indices[static_cast<size_t>(i)]))) {
       const SftSample& sample = samples[static_cast<size_t>(s)];
       for (size_t k = 0; k < sample.ids.size(); ++k, ++t) {
@@ -379,6 +387,8 @@ LlmSftSettings llm_sft_settings(const RunConfig& config) {
   s.lora.base_model_name_or_path = config.base_model;
   s.model_max_length = p.model_max_length;
   s.block_size = p.block_size == -1 ? p.model_max_length : p.block_size;
+  s.packing = p.packing;
+  s.pad_left = p.padding == "left";
   s.merge_adapter = p.merge_adapter;
   s.add_eos_token = p.add_eos_token;
   return s;
@@ -393,11 +403,6 @@ void check_llm_sft_config(const RunConfig& config) {
          config.llm.quantization);
   }
   if (config.llm.unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
-  if (config.llm.padding != "right") {
-    fail("padding {} is not supported: samples are packed into rows and only a row's end is padded (on the "
-         "right, masked out of the loss); leave padding at right",
-         config.llm.padding);
-  }
   const fs::path model(config.base_model);
   if (!fs::is_directory(model)) fail("base_model '{}' is not a model directory", config.base_model);
   if (!fs::exists(model / "config.json")) fail("base_model '{}' has no config.json", config.base_model);
@@ -481,7 +486,8 @@ class LlmSft final : public Workload {
       }());
     }
 
-    // Training samples: truncated to the longest a row can hold, packed into rows.
+    // Training samples: truncated to the longest a row can hold, packed into rows (or one per
+    // row without packing).
     const int64_t max_len = std::min(settings_.model_max_length, settings_.block_size);
     SftEncoder encoder(config.base_model, encoder_options(config, max_len));
     const auto& tok = encoder.tokenizer();
@@ -499,7 +505,8 @@ class LlmSft final : public Workload {
       tokens += lengths.back();
       trained += s.predicted();
     }
-    rows_ = pack_first_fit(lengths, settings_.block_size);
+    rows_ = settings_.packing ? pack_first_fit(lengths, settings_.block_size)
+                              : one_sample_per_row(static_cast<int64_t>(lengths.size()));
     for (const auto& row : rows_) {
       int64_t n = 0, items = 0;
       for (int64_t s : row) {
@@ -510,10 +517,17 @@ class LlmSft final : public Workload {
       row_items_.push_back(items);
     }
     if (main) {
-      spdlog::info("llm-sft: {} samples ({} tokens, {} trained) packed into {} rows of <= {} tokens ({:.1f}% full){}",
-                   train_.size(), tokens, trained, rows_.size(), settings_.block_size,
-                   100.0 * static_cast<double>(tokens) / (static_cast<double>(rows_.size()) * settings_.block_size),
-                   dropped ? fmt::format("; {} samples without a trained token dropped", dropped) : "");
+      const std::string skipped = dropped ? fmt::format("; {} samples without a trained token dropped", dropped) : "";
+      if (settings_.packing) {
+        spdlog::info("llm-sft: {} samples ({} tokens, {} trained) packed into {} rows of <= {} tokens ({:.1f}% full){}",
+                     train_.size(), tokens, trained, rows_.size(), settings_.block_size,
+                     100.0 * static_cast<double>(tokens) / (static_cast<double>(rows_.size()) * settings_.block_size),
+                     skipped);
+      } else {
+        spdlog::info("llm-sft: {} samples ({} tokens, {} trained), one per row (no packing), each of <= {} tokens, "
+                     "padded on the {} to the longest of its micro-batch{}",
+                     train_.size(), tokens, trained, max_len, settings_.pad_left ? "left" : "right", skipped);
+      }
       if (settings_.block_size > model_->config().max_position_embeddings) {
         spdlog::warn("llm-sft: block_size {} is longer than the model's max_position_embeddings {}",
                      settings_.block_size, model_->config().max_position_embeddings);
@@ -541,12 +555,12 @@ class LlmSft final : public Workload {
   }
 
   torch::Tensor train_loss_sum(const std::vector<int64_t>& indices) override {
-    const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_));
+    const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_, settings_.pad_left));
     auto logits = model_->forward(b.input_ids, {}, b.segment_ids);
     return models::causal_lm_loss_sum(logits, b.labels, b.segment_ids).sum;
   }
   torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
-    const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_));
+    const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_, settings_.pad_left));
     auto logits = model_->forward(b.input_ids, {}, b.segment_ids);
     return models::causal_lm_loss(logits, b.labels, b.segment_ids);
   }
@@ -661,10 +675,16 @@ TaskSpec llm_sft_task() {
       key("model_max_length", l, &L::model_max_length, "samples are truncated to this many tokens")
           .group("LLM")
           .at_least(1),
-      key("block_size", l, &L::block_size, "packed row length (-1: model_max_length)")
+      key("block_size", l, &L::block_size, "row length: packed rows hold up to this many tokens, and samples are "
+          "truncated to it (-1: model_max_length)")
           .group("LLM")
           .off_or_at_least(-1, 1, "model_max_length"),
-      key("padding", l, &L::padding, "side of the padding: right (rows are packed; only a row's end pads); left is refused")
+      key("packing", l, &L::packing,
+          "pack samples first-fit into rows of block_size (AutoTrain's SFT always packs); false: one sample per row")
+          .group("LLM"),
+      key("padding", l, &L::padding,
+          "side a row shorter than its micro-batch's longest is padded on: right or left (pads are never attended "
+          "nor trained on; positions start at 0 at a sample's first token either way)")
           .group("LLM")
           .one_of({"right", "left"}),
       key("add_eos_token", l, &L::add_eos_token, "end every text sample with the tokenizer's EOS").group("LLM"),

@@ -21,12 +21,19 @@
 // the columns "messages", or "prompt" + "completion", when the records have them.
 //
 // Training rows. Samples are truncated to model_max_length (and to block_size, since a
-// sample is never split) and packed first-fit, in data order, into rows of at most
-// block_size tokens (AutoTrain's block_size -1 = model_max_length). Each row carries
-// segment ids, so attention stays inside each sample, positions restart at each sample
-// and no prediction crosses a sample boundary. A micro-batch is batch_size rows padded to
-// its longest row only. The trainer's unit ("sample" of the sampler, samples_per_s) is a
-// row; the loss of a step is the mean over every trained token of the global batch.
+// sample is never split). packing true (the default: AutoTrain's SFT trainer always packs,
+// TRL's packing=True): they are packed first-fit, in data order, into rows of at most
+// block_size tokens (AutoTrain's block_size -1 = model_max_length). packing false: one
+// sample per row (TRL's packing=False). Each row carries segment ids, so attention stays
+// inside each sample, positions restart at 0 at each sample's first token and no
+// prediction crosses a sample boundary. A micro-batch is batch_size rows padded to its
+// longest row only, on the side `padding` names (right: after a row's tokens; left: before
+// them, as a tokenizer with padding_side left does). Padding is a segment of its own (id
+// -1): no token of a sample attends to it, it is never a target, and a pad position attends
+// only to pads (so no attention row is empty); a sample's positions, mask and loss are the
+// same on either side, and the same as the sample alone. The trainer's unit ("sample" of
+// the sampler, samples_per_s) is a row; the loss of a step is the mean over every trained
+// token of the global batch.
 //
 // Model. The base model directory (HF layout) in fp32. peft: LoRA adapters (r, alpha,
 // dropout, target_modules; all-linear never includes lm_head) on the frozen base, which is
@@ -119,15 +126,19 @@ class SftEncoder {
 // the samples were placed). Lengths must be in [1, block_size].
 std::vector<std::vector<int64_t>> pack_first_fit(const std::vector<int64_t>& lengths, int64_t block_size);
 
-// A micro-batch of packed rows: [B, T] with T the longest row. Padding: pad_id, label
-// kIgnoreLabel, segment id -1. Segment ids count the samples of each row from 0.
+// No packing: row i holds sample i alone.
+std::vector<std::vector<int64_t>> one_sample_per_row(int64_t samples);
+
+// A micro-batch of rows: [B, T] with T the longest row. Padding (after a row's tokens, or
+// before them with pad_left): pad_id, label kIgnoreLabel, segment id -1. Segment ids count
+// the samples of each row from 0.
 struct PackedBatch {
   torch::Tensor input_ids;    // int64
   torch::Tensor labels;       // int64
   torch::Tensor segment_ids;  // int64
 };
 PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::vector<std::vector<int64_t>>& rows,
-                              const std::vector<int64_t>& row_indices, int32_t pad_id);
+                              const std::vector<int64_t>& row_indices, int32_t pad_id, bool pad_left = false);
 
 // An llm-sft config's LLM keys, resolved (block_size -1 -> model_max_length, PEFT's target names).
 struct LlmSftSettings {
@@ -135,6 +146,8 @@ struct LlmSftSettings {
   models::LoraConfig lora;      // r, lora_alpha, lora_dropout, target_modules
   int64_t model_max_length = 2048;
   int64_t block_size = 2048;    // resolved (-1 -> model_max_length)
+  bool packing = true;          // false: one sample per row
+  bool pad_left = false;        // padding: left
   bool merge_adapter = false;
   bool add_eos_token = true;
 };

@@ -151,6 +151,7 @@ struct ImageParams {
   bool sync_batchnorm = false;                     // resnet18
   bool augment = false;                            // resnet18
   ResnetStem resnet_stem = ResnetStem::ImageNet;   // resnet18
+  bool gradient_checkpointing = false;             // resnet18: recompute each stage in backward
 };
 
 // Task two-tower (table: two_tower.cpp).
@@ -173,6 +174,7 @@ struct LlmParams {
   int64_t model_max_length = 2048;
   int64_t block_size = -1;                  // -1: model_max_length
   std::string padding = "right";
+  bool packing = true;                      // false: one sample per row
   bool add_eos_token = true;
   std::string quantization = "none";
   bool disable_gradient_checkpointing = false;

@@ -2,8 +2,11 @@
 // decoder layer recomputed in backward gives the gradients of the same model without it, for a
 // full fine-tune, for LoRA with dropout (the recomputation draws the same masks), with packed
 // segments, and under bf16 autocast; and the RNG stream the run continues with is the same.
+// A ResNet-18 with every stage recomputed gives the same gradients and leaves BatchNorm's
+// running statistics as the run without it (updated once per forward, not again in backward).
 #include "replica/models/llama.h"
 #include "replica/models/lora.h"
+#include "replica/models/resnet.h"
 
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
@@ -125,6 +128,72 @@ TEST(Recompute, NothingIsRecordedWithoutGrad) {
   torch::NoGradGuard no_grad;
   auto logits = model->forward(torch::randint(0, 50, {1, 5}, torch::kLong));
   EXPECT_FALSE(logits.requires_grad());
+}
+
+// Two training steps' forward and backward (no optimizer step, gradients accumulate) of a
+// fresh ResNet-18 in train mode; the parameters' gradients and every buffer afterwards.
+struct ResnetPass {
+  std::map<std::string, torch::Tensor> grads, buffers;
+  double next_draw = 0;
+};
+
+ResnetPass run_resnet(bool checkpointing) {
+  torch::manual_seed(5);
+  ResNet18 model(ResNetOptions{});
+  model->set_gradient_checkpointing(checkpointing);
+  model->train();
+  for (int step = 0; step < 2; ++step) {
+    torch::manual_seed(100 + step);
+    auto x = torch::randn({6, 1, 28, 28});
+    auto y = torch::randint(0, 10, {6});
+    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+  }
+  ResnetPass r;
+  for (auto& item : model->named_parameters()) r.grads[item.key()] = item.value().grad().clone();
+  for (auto& item : model->named_buffers()) r.buffers[item.key()] = item.value().clone();
+  r.next_draw = torch::rand({1}).item<double>();
+  return r;
+}
+
+TEST(Recompute, ResnetStagesGiveTheSameGradientsAndRunningStats) {
+  const ResnetPass with = run_resnet(true), without = run_resnet(false);
+  ASSERT_EQ(with.grads.size(), without.grads.size());
+  for (const auto& [name, g] : without.grads) {
+    EXPECT_LE((with.grads.at(name) - g).abs().max().item<double>(), 1e-6) << name;
+  }
+  ASSERT_EQ(with.buffers.size(), without.buffers.size());
+  ASSERT_GT(without.buffers.count("layer3.1.bn2.running_var"), 0u);
+  for (const auto& [name, b] : without.buffers) {
+    if (b.scalar_type() == torch::kLong) {
+      EXPECT_TRUE(with.buffers.at(name).equal(b)) << name << ": " << with.buffers.at(name).item<int64_t>()
+                                                  << " batches tracked, not " << b.item<int64_t>();
+    } else {
+      EXPECT_LE((with.buffers.at(name) - b).abs().max().item<double>(), 1e-6) << name;
+    }
+  }
+  EXPECT_EQ(without.buffers.at("layer4.1.bn2.num_batches_tracked").item<int64_t>(), 2);
+  EXPECT_EQ(with.next_draw, without.next_draw);
+}
+
+// One recompute node per stage; without grad a plain forward.
+TEST(Recompute, OneNodePerResnetStage) {
+  torch::manual_seed(5);
+  ResNet18 model(ResNetOptions{});
+  model->set_gradient_checkpointing(true);
+  auto out = model->forward(torch::randn({2, 1, 28, 28}));
+  std::vector<torch::autograd::Node*> todo{out.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  int found = 0;
+  while (!todo.empty()) {
+    auto* node = todo.back();
+    todo.pop_back();
+    if (!node || !seen.insert(node).second) continue;
+    if (node->name().find("RecomputeBackward") != std::string::npos) ++found;
+    for (const auto& edge : node->next_edges()) todo.push_back(edge.function.get());
+  }
+  EXPECT_EQ(found, 4);
+  torch::NoGradGuard no_grad;
+  EXPECT_FALSE(model->forward(torch::randn({2, 1, 28, 28})).requires_grad());
 }
 
 }  // namespace

@@ -470,9 +470,13 @@ TEST(DidYouMean, SuggestsOnlyCloseKeys) {
 }  // namespace
 
 TEST_F(ConfigTest, ResNetAndTwoTowerKeys) {
-  const auto c = parse_config(image_yaml("  sync_batchnorm: true\n  augment: true\n  resnet_stem: small\n"), "run.yaml");
+  EXPECT_FALSE(default_config("image-classification").image.gradient_checkpointing);  // off for images
+  const auto c = parse_config(
+      image_yaml("  sync_batchnorm: true\n  augment: true\n  resnet_stem: small\n  gradient_checkpointing: true\n"),
+      "run.yaml");
   EXPECT_TRUE(c.image.sync_batchnorm);
   EXPECT_TRUE(c.image.augment);
+  EXPECT_TRUE(c.image.gradient_checkpointing);
   EXPECT_EQ(c.image.resnet_stem, ResnetStem::Small);
   EXPECT_EQ(parse_config(to_yaml(c), "again.yaml"), c);  // written back out and read again
   EXPECT_EQ(error_of(image_yaml("  resnet_stem: tiny\n")),

@@ -191,6 +191,26 @@ TEST_F(Workloads, ResNet18UnderZero3EqualsDdp) {
   EXPECT_TRUE(a.count("layer4.1.bn2.running_mean"));
 }
 
+// gradient_checkpointing on ResNet-18 (every stage recomputed in backward), 2 workers with
+// SyncBatchNorm: the same weights and BatchNorm statistics as without it.
+TEST_F(Workloads, ResNet18GradientCheckpointingTrainsAsWithout) {
+  const fs::path cfg = write_config(
+      "resnet_ckpt", resnet_yaml("  batch_size: 16\n  max_steps: 5\n  optimizer: sgd\n  lr: 0.05\n"
+                                 "  scheduler: constant\n  max_grad_norm: 0\n  sync_batchnorm: true\n  augment: false\n"
+                                 "  checkpoint_every: 0\n  logging_steps: 5\n"));
+  train(cfg, dir_ / "plain", {});
+  train(cfg, dir_ / "ckpt", {"--gradient-checkpointing", "true"});
+  if (HasFailure()) return;
+  const auto params = nlohmann::json::parse(std::ifstream(dir_ / "ckpt" / "training_params.json"));
+  EXPECT_EQ(params.at("gradient_checkpointing"), true);
+  const auto a = load_tensors(dir_ / "plain" / "final" / "model.safetensors");
+  const auto b = load_tensors(dir_ / "ckpt" / "final" / "model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_LE(max_abs_diff(a, b), 1e-6);
+  ASSERT_TRUE(b.count("layer2.0.bn1.num_batches_tracked"));
+  EXPECT_EQ(b.at("layer2.0.bn1.num_batches_tracked").item<int64_t>(), 5);  // once per step
+}
+
 // Mid-epoch resume on MDS data: a run stopped at its step-6 checkpoint and started again ends
 // exactly where the straight run ends (same samples from the same place in the epoch).
 TEST_F(Workloads, TwoTowerResumesMidEpochExactly) {
