@@ -27,10 +27,13 @@ for task in TASKS:
         if not line.strip() or not line.startswith(" "):
             continue
         if line.startswith("  --"):
-            current = [line[2:41].rstrip(), line[41:].strip()]
+            # "--flag HINT", then the help after two or more spaces (on the next line when the
+            # flag is wider than its column).
+            m = re.match(r"  (--\S+(?: \S+)?)(?:\s{2,}(.*)|\s*)$", line)
+            current = [m.group(1), (m.group(2) or "").strip()]
             entries.append(current)
         else:
-            current[1] += " " + line.strip()
+            current[1] = (current[1] + " " + line.strip()).strip()
     for flag, text in entries:
         m = re.match(r"(.*?)(?: \[(.*)\])?$", text)
         what, default = m.group(1), m.group(2) or ""

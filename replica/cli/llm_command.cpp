@@ -10,6 +10,7 @@
 #include "replica/models/hf_model_dir.h"
 #include "replica/text/chat_template.h"
 #include "replica/text/tokenizer.h"
+#include "replica/train/deepspeed_config.h"
 #include "replica/train/llm_sft.h"
 #include "replica/train/trainer.h"
 
@@ -103,7 +104,8 @@ Data and model (defaults in brackets):
 )";
 
 const char* kLlmFooter = R"(Every params: key of the llm-sft YAML is a flag; --x-y and --x_y are the same flag.
---quantization int4/int8 (bitsandbytes, CUDA) is not available.
+--quantization int4|int8 (with --peft): QLoRA, the frozen base's decoder linears held in NF4 or int8;
+with --eval, the adapter is evaluated over the base quantized the same way.
 )";
 
 }  // namespace
@@ -221,6 +223,7 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
   }
   if (!parsed.adapter.empty()) fail("replica llm: --adapter is for --eval");
   if (c.project_name.empty()) fail("replica llm --train: --project-name OUT is required");
+  train::apply_deepspeed_config(c);
   train::validate_config(c);
   return train::run(c, self_argv);
 }

@@ -253,7 +253,7 @@ void DistributedDataParallel::launch_ready_buckets() {
   // Strictly in bucket order: collectives must be issued in the same order on every rank.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& bucket = buckets_[next_bucket_];
-    if (sharded_) {
+    if (sharded_ && options_.reduce_scatter_gradients) {
       // Half an all-reduce: this worker only needs the average of its own shard.
       auto work = std::make_shared<distributed::Work>(pg_->reduce_scatter_average(bucket.buffer));
       bucket.complete = [work] { work->wait(); };

@@ -74,6 +74,10 @@ struct DDPOptions {
   // auto: on when the workers share one host's memory and every parameter is on the CPU (then
   // they step one shared copy; the faster step there, bench/README.md), off otherwise.
   std::optional<bool> shard_optimizer = false;
+  // Sharded: the gradient buckets reduce-scattered (ZeRO stage 2: each worker receives the
+  // average of its own shard only, half an all-reduce's traffic) or all-reduced (stage 1:
+  // every worker receives the whole average; only the optimizer state and step are sharded).
+  bool reduce_scatter_gradients = true;
 };
 
 // One bucket as a communication hook sees it.

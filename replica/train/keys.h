@@ -279,6 +279,8 @@ class Key {
     hint_ += "|" + text;
     return *this;
   }
+  // --help's placeholder for a value from a short list of numbers (zero_stage: 0|1|2|3).
+  Key& hint(std::string text) { hint_ = std::move(text); return *this; }
   // The allowed values as messages list them (distributed_backend lists its aliases too).
   Key& shown(const std::string& allowed) { kind_ = "one of " + allowed; return *this; }
   // A text key that takes only these values.

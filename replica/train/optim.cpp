@@ -1,9 +1,11 @@
 #include "replica/train/optim.h"
 
 #include "replica/core/error.h"
+#include "replica/core/file_tensor.h"
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <map>
 
 namespace replica::train {
@@ -105,7 +107,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
         if (weight_decay != 0) d_p = d_p.add(p, weight_decay);
         if (momentum != 0) {
           if (first) {
-            buf = torch::clone(d_p).detach();
+            buf = state_zeros(p).copy_(d_p);
             auto state = std::make_unique<torch::optim::SGDParamState>();
             state->momentum_buffer(buf);
             state_[key] = std::move(state);
@@ -118,7 +120,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
         continue;
       }
       if (momentum != 0.0f && first) {
-        buf = torch::empty_like(p, torch::MemoryFormat::Contiguous);
+        buf = state_zeros(p);
         auto state = std::make_unique<torch::optim::SGDParamState>();
         state->momentum_buffer(buf);
         state_[key] = std::move(state);
@@ -153,9 +155,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       if (it == state_.end()) {
         auto state = std::make_unique<torch::optim::AdamWParamState>();
         state->step(0);
-        state->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-        state->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-        if (options.amsgrad()) state->max_exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        state->exp_avg(state_zeros(p));
+        state->exp_avg_sq(state_zeros(p));
+        if (options.amsgrad()) state->max_exp_avg_sq(state_zeros(p));
         state_[p.unsafeGetTensorImpl()] = std::move(state);
         continue;
       }
@@ -200,17 +202,88 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   return loss;
 }
 
+torch::Tensor StateHome::state_zeros(const torch::Tensor& param) const {
+  if (allocate_) return allocate_(param);
+  return torch::zeros_like(param, torch::MemoryFormat::Contiguous);
+}
+
+// Note [optimizer offload]
+// offload_optimizer_device says where the optimizer's state lives and where its step runs:
+//   none  with the parameters it steps (a GPU's memory, or RAM for CPU training);
+//   cpu   in host RAM, the step on the host: for parameters on a GPU, pinned host copies of
+//         them (fp32 like the parameters), their gradients copied down after backward and
+//         the stepped values copied back (HostOffloadOptimizer). For CPU training the state
+//         is in host RAM already: nothing moves.
+//   nvme  as cpu, with every state tensor (AdamW's exp_avg and exp_avg_sq, SGD's momentum)
+//         a memory-mapped file under nvme_path (replica/core/file_tensor.h), so state larger
+//         than RAM pages to disk instead of failing.
+// The arithmetic is the same fused kernel on the same values in every case, so an offloaded
+// run's weights equal the in-memory run's (bit for bit on the CPU).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params) {
-  if (spec.kind == OptimizerKind::Sgd) {
-    return std::make_unique<FusedSGD>(
-        params, torch::optim::SGDOptions(spec.lr).momentum(spec.momentum).weight_decay(spec.weight_decay));
+  const bool on_gpu = std::any_of(params.begin(), params.end(), [](const torch::Tensor& p) { return !p.device().is_cpu(); });
+  const bool host_step = spec.offload != OffloadDevice::None && on_gpu;
+  std::vector<torch::Tensor> host;
+  if (host_step) {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : params) {
+      auto h = torch::empty(p.sizes(), p.options().device(torch::kCPU).pinned_memory(true));
+      h.copy_(p.detach());
+      h.set_requires_grad(true);
+      host.push_back(h);
+    }
   }
-  return std::make_unique<FusedAdamW>(params, torch::optim::AdamWOptions(spec.lr).weight_decay(spec.weight_decay));
+  const std::vector<torch::Tensor>& stepped = host_step ? host : params;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  StateHome* home = nullptr;
+  if (spec.kind == OptimizerKind::Sgd) {
+    auto o = std::make_unique<FusedSGD>(
+        stepped, torch::optim::SGDOptions(spec.lr).momentum(spec.momentum).weight_decay(spec.weight_decay));
+    home = o.get();
+    optimizer = std::move(o);
+  } else {
+    auto o = std::make_unique<FusedAdamW>(stepped, torch::optim::AdamWOptions(spec.lr).weight_decay(spec.weight_decay));
+    home = o.get();
+    optimizer = std::move(o);
+  }
+  if (spec.offload == OffloadDevice::Nvme) {
+    if (spec.nvme_path.empty()) fail("offload nvme needs nvme_path (a directory for the swap files)");
+    home->set_state_allocator([dir = spec.nvme_path](const torch::Tensor& p) {
+      return file_backed_zeros(dir, p.sizes(), p.scalar_type());
+    });
+  }
+  if (!host_step) return optimizer;
+  return std::make_unique<HostOffloadOptimizer>(params, std::move(host), std::move(optimizer));
+}
+
+HostOffloadOptimizer::HostOffloadOptimizer(std::vector<torch::Tensor> device_params,
+                                           std::vector<torch::Tensor> host_params,
+                                           std::unique_ptr<torch::optim::Optimizer> inner)
+    : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(device_params)}, inner->defaults().clone()),
+      device_(std::move(device_params)), host_(std::move(host_params)), inner_(std::move(inner)) {}
+
+torch::Tensor HostOffloadOptimizer::step(LossClosure closure) {
+  const torch::Tensor loss = closure_loss(closure);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < device_.size(); ++i) {
+    const torch::Tensor& g = device_[i].grad();
+    if (!g.defined()) {
+      host_[i].mutable_grad() = torch::Tensor();
+      continue;
+    }
+    if (!host_[i].grad().defined()) host_[i].mutable_grad() = torch::empty_like(host_[i]);
+    host_[i].mutable_grad().copy_(g);  // blocking: the step reads it next
+  }
+  inner_->step();
+  // From pinned memory, ordered before the next kernel on the stream; the host copy is not
+  // written again before the next step's blocking gradient copy.
+  for (size_t i = 0; i < device_.size(); ++i) device_[i].copy_(host_[i], /*non_blocking=*/true);
+  return loss;
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+  if (auto* offload = dynamic_cast<HostOffloadOptimizer*>(&optimizer)) set_learning_rate(offload->inner(), lr);
 }
 
 namespace {
@@ -223,6 +296,9 @@ void* key_of(const torch::Tensor& p) { return p.unsafeGetTensorImpl(); }
 io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                                  const std::vector<torch::Tensor>& params,
                                  const std::vector<std::string>& names) {
+  if (auto* offload = dynamic_cast<HostOffloadOptimizer*>(&optimizer)) {
+    return optimizer_state(offload->inner(), kind, offload->host_parameters(), names);
+  }
   io::NamedTensors out;
   auto& state = optimizer.state();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -246,6 +322,10 @@ io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKi
 void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                           const std::vector<torch::Tensor>& params,
                           const std::vector<std::string>& names, const io::NamedTensors& state) {
+  if (auto* offload = dynamic_cast<HostOffloadOptimizer*>(&optimizer)) {
+    return load_optimizer_state(offload->inner(), kind, offload->host_parameters(), names, state);
+  }
+  const auto* home = dynamic_cast<const StateHome*>(&optimizer);
   std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
   size_t used = 0;
   auto take = [&](const std::string& name, const torch::Tensor& like) -> torch::Tensor {
@@ -256,6 +336,8 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind
            c10::str(it->second.sizes()), c10::str(like.sizes()));
     }
     ++used;
+    // State tensors land where the optimizer allocates them (nvme: in files).
+    if (like.defined() && home) return home->state_zeros(like).copy_(it->second);
     return it->second.to(like.defined() ? like.options() : it->second.options()).clone();
   };
   auto& slots = optimizer.state();

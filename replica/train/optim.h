@@ -9,6 +9,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +21,23 @@ struct OptimizerSpec {
   double lr = 1e-3;
   double momentum = 0.9;
   double weight_decay = 0.0;
+  // Where the state lives and the step runs (Note [optimizer offload] in optim.cpp).
+  OffloadDevice offload = OffloadDevice::None;
+  std::string nvme_path;  // offload nvme: the swap files' directory
+};
+
+// Where an optimizer allocates a parameter's state tensors (zeros shaped like it): RAM by
+// default, files under nvme_path for the nvme offload. Load and step both go through it, so a
+// resumed run's state lands where a fresh run's would.
+using StateAllocator = std::function<torch::Tensor(const torch::Tensor& param)>;
+class StateHome {
+ public:
+  virtual ~StateHome() = default;
+  void set_state_allocator(StateAllocator allocate) { allocate_ = std::move(allocate); }
+  torch::Tensor state_zeros(const torch::Tensor& param) const;
+
+ private:
+  StateAllocator allocate_;
 };
 
 // torch::optim::SGD with a fused step: for contiguous float32 parameters, gradient and
@@ -28,7 +46,7 @@ struct OptimizerSpec {
 // large model on a CPU is memory-bound, so this is ~1.6x less time. Same state (SGDParamState),
 // same arithmetic up to float rounding (LibTorch's kernels use fused multiply-adds on AVX2;
 // this loop rounds each operation). Other dtypes and layouts take torch::optim::SGD's step.
-class FusedSGD : public torch::optim::SGD {
+class FusedSGD : public torch::optim::SGD, public StateHome {
  public:
   using torch::optim::SGD::SGD;
   torch::Tensor step(LossClosure closure = nullptr) override;
@@ -41,14 +59,33 @@ class FusedSGD : public torch::optim::SGD {
 // load_optimizer_state are unchanged), same arithmetic up to float rounding. A step where any
 // parameter is not fusable (sparse gradient, dtype or device differing from its gradient's or
 // state's, non-contiguous) takes torch::optim::AdamW::step for that whole step.
-class FusedAdamW : public torch::optim::AdamW {
+class FusedAdamW : public torch::optim::AdamW, public StateHome {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
 
+// The optimizer step on the host for parameters on a GPU (offload cpu/nvme; Note [optimizer
+// offload] in optim.cpp): an inner optimizer steps pinned host copies of the parameters, and
+// each step moves the gradients to the host and the new values back. Checkpoints see the
+// inner optimizer's state under the parameters' names, in the format of every other run.
+class HostOffloadOptimizer : public torch::optim::Optimizer {
+ public:
+  HostOffloadOptimizer(std::vector<torch::Tensor> device_params, std::vector<torch::Tensor> host_params,
+                       std::unique_ptr<torch::optim::Optimizer> inner);
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  torch::optim::Optimizer& inner() { return *inner_; }
+  const std::vector<torch::Tensor>& host_parameters() const { return host_; }
+
+ private:
+  std::vector<torch::Tensor> device_;
+  std::vector<torch::Tensor> host_;
+  std::unique_ptr<torch::optim::Optimizer> inner_;
+};
+
 // The optimizer over `params` (trainable parameters, in the order of `names`): FusedSGD or
-// FusedAdamW.
+// FusedAdamW; with spec.offload, its state in files (nvme) and, for parameters on a GPU, its
+// step on the host (HostOffloadOptimizer).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params);
 

@@ -2,6 +2,8 @@
 // configuration from the key tables (see run_config.h).
 #include "replica/train/run_config.h"
 
+#include "replica/train/deepspeed_config.h"
+
 #include "replica/core/error.h"
 #include "replica/core/files.h"
 #include "replica/core/suggest.h"
@@ -102,7 +104,7 @@ const std::vector<KeySpec>& common_keys() {
   static const std::vector<KeySpec> keys = [] {
     using P = RunParams;
     const auto p = &RunConfig::params;
-    auto zero3 = [](const RunConfig& c) { return c.params.distributed_backend == DistributedBackend::Zero3; };
+    auto zero3 = [](const RunConfig& c) { return zero_stage_of(c.params) == 3; };
     std::vector<KeySpec> k = {
         // Workers and rendezvous.
         key("distributed_backend", p, &P::distributed_backend,
@@ -152,6 +154,11 @@ const std::vector<KeySpec>& common_keys() {
             .group("ZeRO-3")
             .at_least(0.0)
             .in_json_when(zero3),
+        key("stage3_max_reuse_distance", p, &P::stage3_max_reuse_distance,
+            "zero3: a layer whose backward comes within this many gathered elements of its forward stays gathered")
+            .group("ZeRO-3")
+            .at_least(0.0)
+            .in_json_when(zero3),
         key("reduce_bucket_size", p, &P::reduce_bucket_size,
             "zero3: accepted for DeepSpeed configs (each layer's gradients are reduced whole)")
             .group("ZeRO-3")
@@ -164,6 +171,29 @@ const std::vector<KeySpec>& common_keys() {
             "ddp: each worker steps only its 1/N of the parameters (ZeRO-1/2 inside DDP); auto: on for CPU "
             "workers sharing one host")
             .group("Workers"),
+        // DeepSpeed's memory knobs, by DeepSpeed's names (Note [ZeRO stages] in engine.cpp).
+        key("zero_stage", p, &P::zero_stage,
+            "1: optimizer state sharded; 2: + gradients (reduce-scattered); 3: + parameters (zero3); 0: plain "
+            "ddp; auto: 3 for deepspeed/zero3, 0 for ddp")
+            .group("ZeRO")
+            .hint("0|1|2|3")
+            .keyword("auto", -1)
+            .null_is(-1)
+            .valid_if([](const int& v) { return v >= 0 && v <= 3; }, "0, 1, 2, 3 or 'auto'"),
+        key("offload_optimizer_device", p, &P::offload_optimizer_device,
+            "optimizer state and step on the host (cpu) or in files under nvme_path (nvme); zero_stage >= 1")
+            .group("ZeRO")
+            .null_is(OffloadDevice::None),
+        key("offload_param_device", p, &P::offload_param_device,
+            "zero_stage 3: parameter shards on the host (cpu) or in files under nvme_path (nvme)")
+            .group("ZeRO")
+            .null_is(OffloadDevice::None),
+        key("nvme_path", p, &P::nvme_path, "directory of the nvme offload's swap files (a fast local disk)")
+            .group("ZeRO"),
+        key("deepspeed", p, &P::deepspeed,
+            "a DeepSpeed JSON config (ds_config.json), read into these keys; a field replica does not implement "
+            "is an error")
+            .group("ZeRO"),
         key("token", p, &P::token, "rendezvous secret (or env REPLICA_TOKEN); never written out")
             .group("Workers")
             .secret(),
@@ -343,6 +373,42 @@ void check_path(const KeyLocation& loc, const std::string& key, const std::strin
   if (!std::filesystem::exists(path, ec)) fail("{}{} '{}' does not exist", loc.where(key), key, path);
 }
 
+// The ZeRO keys that only make sense together (DeepSpeed's own rules where it has them).
+void check_zero_keys(const RunParams& p, const KeyLocation& loc) {
+  const int stage = zero_stage_of(p);
+  if (p.zero_stage == 3 && p.distributed_backend == DistributedBackend::Ddp) {
+    fail("{}key 'params.zero_stage' is 3 (parameters sharded), which is distributed_backend deepspeed (zero3), "
+         "but distributed_backend is ddp; set distributed_backend: deepspeed, or zero_stage 1 or 2",
+         loc.where("params.zero_stage"));
+  }
+  if (p.zero_stage >= 0 && p.shard_optimizer && *p.shard_optimizer != (p.zero_stage == 1 || p.zero_stage == 2) &&
+      p.zero_stage != 3) {
+    fail("{}key 'params.shard_optimizer' is {} but zero_stage {} {} the optimizer step; give one of them",
+         loc.where("params.shard_optimizer"), *p.shard_optimizer ? "true" : "false", p.zero_stage,
+         p.zero_stage == 0 ? "does not shard" : "shards");
+  }
+  if (p.offload_param_device != OffloadDevice::None && stage != 3) {
+    fail("{}key 'params.offload_param_device' needs zero_stage 3 (distributed_backend deepspeed): only ZeRO-3 "
+         "shards parameters; the run is at stage {}",
+         loc.where("params.offload_param_device"), stage);
+  }
+  if (p.offload_optimizer_device != OffloadDevice::None && stage == 0) {
+    fail("{}key 'params.offload_optimizer_device' needs zero_stage 1, 2 or 3 (a sharded optimizer step, as in "
+         "DeepSpeed); set zero_stage",
+         loc.where("params.offload_optimizer_device"));
+  }
+  const bool nvme = p.offload_optimizer_device == OffloadDevice::Nvme || p.offload_param_device == OffloadDevice::Nvme;
+  if (nvme && p.nvme_path.empty()) {
+    fail("{}nvme offload needs params.nvme_path (a directory on a fast local disk for the swap files)",
+         loc.where(p.offload_optimizer_device == OffloadDevice::Nvme ? "params.offload_optimizer_device"
+                                                                     : "params.offload_param_device"));
+  }
+  if (!nvme && !p.nvme_path.empty()) {
+    fail("{}key 'params.nvme_path' is used only with offload_optimizer_device or offload_param_device nvme",
+         loc.where("params.nvme_path"));
+  }
+}
+
 void check_config(const RunConfig& c, const KeyLocation& loc) {
   check_one_of(loc, "backend", c.backend, {"local"});
   const TaskSpec& spec = task_spec(c.task);
@@ -370,6 +436,7 @@ void check_config(const RunConfig& c, const KeyLocation& loc) {
     if (column.empty()) fail("{}key '{}' must not be empty", loc.where(key), key);
   }
   for (const KeySpec* k : keys_of(c.task)) k->check(c, "params." + k->name, loc);
+  check_zero_keys(c.params, loc);
 }
 
 void read_data(const YAML::Node& node, RunConfig& c, KeyLocation& loc) {
@@ -499,6 +566,11 @@ RunConfig default_config(const std::string& task) {
   auto t = enum_from<Task>(task);
   if (!t) fail("unknown task '{}'; use one of {}", task, Codec<Task>::names());
   return default_config(*t);
+}
+
+int zero_stage_of(const RunParams& p) {
+  if (p.zero_stage >= 0) return p.zero_stage;
+  return p.distributed_backend == DistributedBackend::Zero3 ? 3 : 0;
 }
 
 void validate_config(const RunConfig& config) { check_config(config, KeyLocation(config.source, true)); }
@@ -632,6 +704,7 @@ void apply_flag(RunConfig& c, const std::string& typed, const std::string& value
 RunConfig parse_config(const std::string& yaml_text, const std::string& source_name) {
   KeyLocation loc(source_name, true);
   RunConfig c = read_config(yaml_text, source_name, loc);
+  apply_deepspeed_config(c, loc);
   check_config(c, loc);
   return c;
 }
@@ -651,6 +724,7 @@ RunConfig load_config(const std::string& path, const std::vector<std::pair<std::
   KeyLocation loc(path, true);
   RunConfig c = read_config(read_file(path), path, loc);
   for (const auto& [name, value] : flags) apply_flag(c, name, value, loc);
+  apply_deepspeed_config(c, loc);
   check_config(c, loc);
   return c;
 }
@@ -726,7 +800,7 @@ namespace {
 // "  --flag VALUE   what it does [default]", the text wrapped at 100 columns under itself.
 std::string help_line(const std::string& flag, const std::string& text) {
   constexpr size_t kIndent = 41, kWidth = 100;
-  std::string out = fmt::format("  {:<38} ", flag);
+  std::string out = fmt::format("  {:<37}  ", flag);  // two spaces at least before the help
   if (out.size() > kIndent) out += "\n" + std::string(kIndent, ' ');
   size_t column = kIndent;
   size_t start = 0;

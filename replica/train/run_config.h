@@ -41,6 +41,13 @@ struct EnumNames<DistributedBackend> {
   static constexpr std::array<const char*, 2> names = {"ddp", "zero3"};
 };
 
+// Where offloaded optimizer state or parameters live (DeepSpeed's offload_*.device).
+enum class OffloadDevice { None, Cpu, Nvme };
+template <>
+struct EnumNames<OffloadDevice> {
+  static constexpr std::array<const char*, 3> names = {"none", "cpu", "nvme"};
+};
+
 enum class DeviceKind { Auto, Cpu, Cuda };
 template <>
 struct EnumNames<DeviceKind> {
@@ -116,10 +123,21 @@ struct RunParams {
   double stage3_prefetch_bucket_size = 5e7;
   double stage3_param_persistence_threshold = 1e5;
   double stage3_max_live_parameters = 1e9;
+  double stage3_max_reuse_distance = 1e9;
   double reduce_bucket_size = 5e8;
   bool overlap_comm = true;
   // DDP's sharded optimizer step; nullopt = auto (decided from where the workers run).
   std::optional<bool> shard_optimizer;
+  // DeepSpeed's memory knobs by their names (Note [ZeRO stages] in engine.cpp). zero_stage -1:
+  // from distributed_backend (zero_stage_of).
+  int zero_stage = -1;
+  OffloadDevice offload_optimizer_device = OffloadDevice::None;
+  OffloadDevice offload_param_device = OffloadDevice::None;
+  std::string nvme_path;                    // the directory of nvme-offloaded state
+  std::string deepspeed;                    // a DeepSpeed JSON config, read into these keys
+  // The DeepSpeed config's train_batch_size when it gave a number: checked against
+  // batch_size x gradient_accumulation x workers when the world is known (not a key).
+  int64_t deepspeed_train_batch_size = 0;
 
   int epochs = 1;
   int64_t max_steps = -1;                   // > 0 wins over epochs
@@ -205,6 +223,11 @@ inline bool operator!=(const RunConfig& a, const RunConfig& b) { return !(a == b
 // LLMTrainingParams defaults). replica::Error listing the tasks for an unknown name.
 RunConfig default_config(Task task);
 RunConfig default_config(const std::string& task);
+
+// The ZeRO stage of a run (Note [ZeRO stages] in engine.cpp): zero_stage when given; else 3
+// for distributed_backend zero3 (deepspeed: AutoTrain's meaning) and 0 for ddp (whose
+// shard_optimizer may still shard the optimizer step, as stage 2 does).
+int zero_stage_of(const RunParams& params);
 
 // The checks parse_config applies (ranges, required keys, existing paths), for a RunConfig
 // built another way (flags, code).

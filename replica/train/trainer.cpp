@@ -310,7 +310,9 @@ int run_worker(const RunConfig& config) {
   torch::manual_seed(static_cast<uint64_t>(p.seed));
   auto workload = make_workload(config, WorkloadContext{pg, world, threads, device});
   auto engine = make_engine(p, workload->model(), pg, device);
-  auto optimizer = make_optimizer(OptimizerSpec{p.optimizer, p.lr, p.momentum, p.weight_decay}, engine->parameters());
+  auto optimizer = make_optimizer(
+      OptimizerSpec{p.optimizer, p.lr, p.momentum, p.weight_decay, p.offload_optimizer_device, p.nvme_path},
+      engine->parameters());
 
   TrainerState state;
   state.world_size = pg->size();

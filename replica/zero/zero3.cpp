@@ -1,6 +1,7 @@
 #include "replica/zero/zero3.h"
 
 #include "replica/core/error.h"
+#include "replica/core/file_tensor.h"
 #include "replica/distributed/grad_norm.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -137,8 +138,13 @@ Zero3::Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distribut
     }
     std::vector<torch::Tensor> msg{flat};
     pg_->broadcast(msg, 0);
-    g.master = flat.narrow(0, rank * g.info.shard, g.info.shard).to(torch::kFloat32, /*non_blocking=*/false,
-                                                                     /*copy=*/true);
+    if (options_.param_swap_dir.empty()) {
+      g.master = flat.narrow(0, rank * g.info.shard, g.info.shard).to(torch::kFloat32, /*non_blocking=*/false,
+                                                                       /*copy=*/true);
+    } else {
+      g.master = file_backed_zeros(options_.param_swap_dir, {g.info.shard}, torch::kFloat32);
+      g.master.copy_(flat.narrow(0, rank * g.info.shard, g.info.shard));
+    }
     if (g.info.trainable) g.master.set_requires_grad(true);
     g.storage = flat.storage();
     for (size_t i = 0; i < g.params.size(); ++i) {

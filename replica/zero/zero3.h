@@ -73,6 +73,9 @@ struct Zero3Options {
   double stage3_max_reuse_distance = 1e9;
   double reduce_bucket_size = 5e8;                  // accepted; every group is reduced whole
   bool overlap_comm = true;                         // prefetch the next layer's gather
+  // offload_param_device nvme: the fp32 master shards live in files in this directory
+  // (replica/core/file_tensor.h); empty: in RAM.
+  std::string param_swap_dir;
 };
 
 // What the engine measured, in bytes per worker.

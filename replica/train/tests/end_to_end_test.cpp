@@ -39,6 +39,7 @@ namespace fs = std::filesystem;
 namespace {
 
 using replica::testing::load_tensors;
+using replica::testing::bitwise_equal;
 using replica::testing::max_abs_diff;
 
 using Clock = std::chrono::steady_clock;
@@ -78,15 +79,6 @@ int free_port() {
   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   close(fd);
   return ntohs(a.sin_port);
-}
-
-bool bitwise_equal(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& [name, t] : a) {
-    auto it = b.find(name);
-    if (it == b.end() || t.scalar_type() != it->second.scalar_type() || !torch::equal(t, it->second)) return false;
-  }
-  return true;
 }
 
 std::vector<nlohmann::json> metrics_of(const fs::path& project) {

@@ -47,6 +47,16 @@ inline double max_abs_diff(const std::map<std::string, torch::Tensor>& a,
   return ok ? worst : 1e30;
 }
 
+// Same names, dtypes and bits.
+inline bool bitwise_equal(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [name, t] : a) {
+    auto it = b.find(name);
+    if (it == b.end() || t.scalar_type() != it->second.scalar_type() || !torch::equal(t, it->second)) return false;
+  }
+  return true;
+}
+
 // The L2 distance between two sets of same-named tensors, all of them as one vector.
 inline double l2_distance(const std::map<std::string, torch::Tensor>& a,
                           const std::map<std::string, torch::Tensor>& b) {

@@ -1,0 +1,207 @@
+// The ZeRO keys (zero_stage, offload_*, nvme_path) and `deepspeed: ds_config.json`: what each
+// field becomes, "auto", conflicts with the YAML file, and the errors naming a field.
+#include "replica/core/error.h"
+#include "replica/train/run_config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+using namespace replica::train;
+
+namespace {
+
+class DeepSpeedConfig : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "replica_ds_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+    fs::create_directories(dir_ / "data");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string write_json(const std::string& text, const std::string& name = "ds_config.json") const {
+    const fs::path file = dir_ / name;
+    std::ofstream(file) << text;
+    return file.string();
+  }
+
+  // An image-classification config; `params_lines` go on from line 6, under params:.
+  std::string yaml(const std::string& params_lines) const {
+    return fmt::format(
+        "task: image-classification\n"
+        "project_name: out/run\n"
+        "data:\n"
+        "  path: {}\n"
+        "params:\n"
+        "{}",
+        (dir_ / "data").string(), params_lines);
+  }
+
+  static std::string error_of(const std::string& text) {
+    try {
+      parse_config(text, "run.yaml");
+    } catch (const replica::Error& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "parsed without error:\n" << text;
+    return "";
+  }
+
+  fs::path dir_;
+};
+
+// The ZeRO-3 config of the transformers documentation (with offload), as users have it.
+constexpr const char* kTransformersZero3 = R"({
+  "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+           "hysteresis": 2, "min_loss_scale": 1},
+  "bf16": {"enabled": "auto"},
+  "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                               "warmup_num_steps": "auto"}},
+  "zero_optimization": {
+    "stage": 3,
+    "offload_optimizer": {"device": "cpu", "pin_memory": true},
+    "offload_param": {"device": "cpu", "pin_memory": true},
+    "overlap_comm": true,
+    "contiguous_gradients": true,
+    "sub_group_size": 1e9,
+    "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+    "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9,
+    "stage3_gather_16bit_weights_on_model_save": true
+  },
+  "gradient_accumulation_steps": "auto",
+  "gradient_clipping": "auto",
+  "steps_per_print": 2000,
+  "train_batch_size": "auto",
+  "train_micro_batch_size_per_gpu": "auto",
+  "wall_clock_breakdown": false
+})";
+
+TEST_F(DeepSpeedConfig, ZeroStageFollowsTheBackendUnlessGiven) {
+  EXPECT_EQ(zero_stage_of(parse_config(yaml("  distributed_backend: ddp\n"), "run.yaml").params), 0);
+  EXPECT_EQ(zero_stage_of(parse_config(yaml("  distributed_backend: deepspeed\n"), "run.yaml").params), 3);
+  EXPECT_EQ(zero_stage_of(parse_config(yaml("  distributed_backend: deepspeed\n  zero_stage: 2\n"), "run.yaml").params), 2);
+  EXPECT_EQ(zero_stage_of(parse_config(yaml("  zero_stage: 1\n"), "run.yaml").params), 1);
+  EXPECT_EQ(parse_config(yaml("  zero_stage: auto\n"), "run.yaml").params.zero_stage, -1);
+}
+
+TEST_F(DeepSpeedConfig, ContradictoryZeroKeysAreErrorsNamingThem) {
+  EXPECT_NE(error_of(yaml("  zero_stage: 4\n")).find("run.yaml:6: key 'params.zero_stage' must be 0, 1, 2, 3 or 'auto'"),
+            std::string::npos);
+  EXPECT_NE(error_of(yaml("  distributed_backend: ddp\n  zero_stage: 3\n")).find("distributed_backend: deepspeed"),
+            std::string::npos);
+  EXPECT_NE(error_of(yaml("  zero_stage: 2\n  shard_optimizer: false\n"))
+                .find("run.yaml:7: key 'params.shard_optimizer' is false but zero_stage 2 shards"),
+            std::string::npos);
+  EXPECT_NE(error_of(yaml("  zero_stage: 2\n  offload_param_device: cpu\n"))
+                .find("run.yaml:7: key 'params.offload_param_device' needs zero_stage 3"),
+            std::string::npos);
+  EXPECT_NE(error_of(yaml("  offload_optimizer_device: cpu\n")).find("needs zero_stage 1, 2 or 3"), std::string::npos);
+  EXPECT_NE(error_of(yaml("  zero_stage: 1\n  offload_optimizer_device: nvme\n")).find("needs params.nvme_path"),
+            std::string::npos);
+  EXPECT_NE(error_of(yaml("  nvme_path: /tmp\n")).find("'params.nvme_path' is used only with"), std::string::npos);
+  EXPECT_NE(error_of(yaml("  zero_stage: 1\n  offload_optimizer_device: disk\n"))
+                .find("key 'params.offload_optimizer_device' must be one of none, cpu, nvme, got 'disk'"),
+            std::string::npos);
+}
+
+TEST_F(DeepSpeedConfig, TheTransformersZero3ExampleReadsIntoTheKeys) {
+  const std::string file = write_json(kTransformersZero3);
+  const RunConfig c = parse_config(yaml(fmt::format("  deepspeed: {}\n  lr: 0.002\n", file)), "run.yaml");
+  const RunConfig plain = parse_config(yaml("  lr: 0.002\n"), "run.yaml");
+  EXPECT_EQ(c.params.distributed_backend, DistributedBackend::Zero3);
+  EXPECT_EQ(zero_stage_of(c.params), 3);
+  EXPECT_EQ(c.params.offload_optimizer_device, OffloadDevice::Cpu);
+  EXPECT_EQ(c.params.offload_param_device, OffloadDevice::Cpu);
+  EXPECT_EQ(c.params.stage3_max_live_parameters, 1e9);
+  EXPECT_EQ(c.params.stage3_max_reuse_distance, 1e9);
+  // "auto" leaves replica's values.
+  EXPECT_EQ(c.params.lr, 0.002);
+  EXPECT_EQ(c.params.batch_size, plain.params.batch_size);
+  EXPECT_EQ(c.params.gradient_accumulation, plain.params.gradient_accumulation);
+  EXPECT_EQ(c.params.max_grad_norm, plain.params.max_grad_norm);
+  EXPECT_EQ(c.params.mixed_precision, Precision::Fp32);
+  EXPECT_EQ(c.params.stage3_prefetch_bucket_size, plain.params.stage3_prefetch_bucket_size);
+  EXPECT_EQ(c.params.scheduler, SchedulerKind::Constant);  // WarmupLR
+  EXPECT_EQ(c.params.optimizer, OptimizerKind::AdamW);
+  // config.yaml (to_yaml) reads back to the same run, the JSON read again.
+  EXPECT_EQ(parse_config(to_yaml(c), "config.yaml"), c);
+}
+
+TEST_F(DeepSpeedConfig, NumbersBecomeTheKeys) {
+  const std::string file = write_json(R"({
+    "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4, "train_batch_size": 64,
+    "gradient_clipping": 0.5, "bf16": {"enabled": true},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
+                          "reduce_bucket_size": 2e8, "overlap_comm": false}})");
+  const RunConfig c = parse_config(yaml(fmt::format("  deepspeed: {}\n", file)), "run.yaml");
+  EXPECT_EQ(c.params.batch_size, 8);
+  EXPECT_EQ(c.params.gradient_accumulation, 4);
+  EXPECT_EQ(c.params.deepspeed_train_batch_size, 64);
+  EXPECT_EQ(c.params.max_grad_norm, 0.5);
+  EXPECT_EQ(c.params.mixed_precision, Precision::Bf16);
+  EXPECT_EQ(c.params.lr, 3e-4);
+  EXPECT_EQ(c.params.weight_decay, 0.01);
+  EXPECT_EQ(c.params.scheduler, SchedulerKind::Linear);
+  EXPECT_EQ(c.params.warmup_steps, 10);
+  EXPECT_EQ(zero_stage_of(c.params), 2);
+  EXPECT_EQ(c.params.distributed_backend, DistributedBackend::Ddp);
+  EXPECT_EQ(c.params.offload_optimizer_device, OffloadDevice::Nvme);
+  EXPECT_EQ(c.params.nvme_path, "/local_nvme");
+  EXPECT_EQ(c.params.reduce_bucket_size, 2e8);
+  EXPECT_FALSE(c.params.overlap_comm);
+}
+
+TEST_F(DeepSpeedConfig, UnimplementedFieldsAreErrorsNamingThem) {
+  const auto error_for = [&](const std::string& json) {
+    return error_of(yaml(fmt::format("  deepspeed: {}\n", write_json(json))));
+  };
+  EXPECT_NE(error_for(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x",
+                          "buffer_count": 5}}})")
+                .find("field 'zero_optimization.offload_param.buffer_count' is not implemented by replica"),
+            std::string::npos);
+  EXPECT_NE(error_for(R"({"activation_checkpointing": {"partition_activations": true}})")
+                .find("field 'activation_checkpointing' is not implemented"),
+            std::string::npos);
+  EXPECT_NE(error_for(R"({"optimizer": {"type": "Lamb"}})").find("optimizer.type 'Lamb' is not implemented"),
+            std::string::npos);
+  EXPECT_NE(error_for(R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}})")
+                .find("field 'optimizer.params.betas' is [0.9,0.95]; replica supports only [0.9,0.999]"),
+            std::string::npos);
+  EXPECT_NE(error_for(R"({"zero_optimization": {"stage": 5}})").find("must be 0, 1, 2 or 3, got 5"), std::string::npos);
+  EXPECT_NE(error_for(R"({"train_micro_batch_size_per_gpu": "eight"})")
+                .find("field 'train_micro_batch_size_per_gpu' must be a number or \"auto\""),
+            std::string::npos);
+  EXPECT_NE(error_for(R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})").find("both true"),
+            std::string::npos);
+  // The fp16 scaler's fields matter when fp16 is on: replica's scaler is not DeepSpeed's default.
+  EXPECT_NE(error_for(R"({"fp16": {"enabled": true, "loss_scale_window": 1000}})")
+                .find("field 'fp16.loss_scale_window' is 1000; replica supports only 2000"),
+            std::string::npos);
+  EXPECT_NE(error_for("{ not json").find("not valid JSON"), std::string::npos);
+  EXPECT_NE(error_of(yaml("  deepspeed: /no/such/ds.json\n")).find("run.yaml:6: key 'params.deepspeed'"),
+            std::string::npos);
+}
+
+TEST_F(DeepSpeedConfig, AValueTheYamlFileAlsoGivesMustAgree) {
+  const std::string file = write_json(R"({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}})");
+  // The same value twice is fine.
+  EXPECT_EQ(parse_config(yaml(fmt::format("  deepspeed: {}\n  batch_size: 8\n", file)), "run.yaml").params.batch_size, 8);
+  const std::string e = error_of(yaml(fmt::format("  deepspeed: {}\n  batch_size: 16\n", file)));
+  EXPECT_NE(e.find("field 'train_micro_batch_size_per_gpu' is 8 but run.yaml:7: key 'params.batch_size' is 16"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(error_of(yaml(fmt::format("  deepspeed: {}\n  zero_stage: 1\n", file))).find("zero_optimization.stage"),
+            std::string::npos);
+}
+
+}  // namespace
