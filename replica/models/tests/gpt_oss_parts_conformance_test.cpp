@@ -1,5 +1,6 @@
-// Conformance: GPT-OSS's parts (moe.h, attention_sinks.h, mxfp4.h) against transformers' own
-// GptOssMLP, load_balancing_loss_func, eager attention with sinks and MXFP4 dequantization
+// Conformance: GPT-OSS's parts (moe.h, attention_sinks.h, mxfp4.h, rope_yarn.h) against transformers' own
+// GptOssMLP, load_balancing_loss_func, eager attention with sinks, YaRN frequencies and MXFP4
+// dequantization
 // (referee/gpt_oss_parts_referee.py): outputs and gradients within 1e-5 in fp32.
 #include "replica/models/tests/hf_conformance.h"
 
@@ -7,6 +8,7 @@
 #include "replica/models/attention_sinks.h"
 #include "replica/models/moe.h"
 #include "replica/models/mxfp4.h"
+#include "replica/models/rope_yarn.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -86,6 +88,26 @@ TEST_F(GptOssParts, SinkAttentionMatchesTransformersEager) {
   (out * ref("attn.dout")).sum().backward();
   EXPECT_LE(max_abs_diff(sinks.grad(), ref("attn.grad.sinks")), kTolerance);
   EXPECT_LE(max_abs_diff(q.grad(), ref("attn.grad.q")), kTolerance);
+}
+
+TEST_F(GptOssParts, YarnFrequenciesMatchTransformers) {
+  ASSERT_NE(ref_, nullptr);
+  // GPT-OSS's default: factor 32, beta 32/1, no truncation, 4096 original positions, theta 150000.
+  YarnScaling gpt_oss;
+  gpt_oss.factor = 32.0;
+  gpt_oss.truncate = false;
+  gpt_oss.original_max_position_embeddings = 4096;
+  auto [inv_freq, attention] = yarn_inv_freq(gpt_oss, 150000.0, 8, 131072);
+  EXPECT_LE(max_abs_diff(inv_freq, ref("yarn.gpt_oss.inv_freq")), 1e-9);
+  EXPECT_NEAR(attention, ref("yarn.gpt_oss.attention").item<double>(), 1e-12);
+  YarnScaling m;
+  m.factor = 4.0;
+  m.mscale = 0.707;
+  m.mscale_all_dim = 1.0;
+  m.original_max_position_embeddings = 1024;
+  auto [inv_freq2, attention2] = yarn_inv_freq(m, 10000.0, 16, 4096);
+  EXPECT_LE(max_abs_diff(inv_freq2, ref("yarn.mscale.inv_freq")), 1e-9);
+  EXPECT_NEAR(attention2, ref("yarn.mscale.attention").item<double>(), 1e-12);
 }
 
 TEST_F(GptOssParts, Mxfp4DequantizesAsTransformersDoes) {

@@ -13,6 +13,9 @@ Writes FILE (safetensors, fp32 unless said):
   attn.q, attn.k, attn.v, attn.sinks, attn.mask (bool [1, 1, T, T], sliding window 3)
   attn.out, attn.grad.sinks, attn.grad.q   eager_attention_forward with sinks; grads of
                           sum(out * attn.dout)
+  yarn.<case>.inv_freq, yarn.<case>.attention: _compute_yarn_parameters for GPT-OSS's default
+                          rope_scaling at head_dim 8 (case gpt_oss) and a truncated one with
+                          mscale (case mscale)
   mxfp4.blocks (uint8 [E, C, G, 16]), mxfp4.scales (uint8 [E, C, G]), mxfp4.weight
                           convert_moe_packed_tensors(blocks, scales, dtype=float32)
 """
@@ -80,6 +83,19 @@ def main():
     out.update({"attn.q": q.detach(), "attn.k": k, "attn.v": v, "attn.sinks": stub.sinks.detach().clone(),
                 "attn.mask": allowed[None, None].contiguous(), "attn.out": o.detach().contiguous(),
                 "attn.dout": dout.contiguous(), "attn.grad.sinks": stub.sinks.grad, "attn.grad.q": q.grad})
+
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+    yarn_cases = {
+        "gpt_oss": GptOssConfig(head_dim=8, num_attention_heads=4, hidden_size=16),
+        "mscale": GptOssConfig(head_dim=16, num_attention_heads=4, hidden_size=16, rope_theta=10000.0,
+                               max_position_embeddings=4096,
+                               rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 1024}),
+    }
+    for case, c in yarn_cases.items():
+        inv_freq, attention = _compute_yarn_parameters(c, "cpu")
+        out[f"yarn.{case}.inv_freq"] = inv_freq.float()
+        out[f"yarn.{case}.attention"] = torch.tensor([attention], dtype=torch.float64)
 
     blocks = torch.randint(0, 256, (3, 6, 2, 16), dtype=torch.uint8)
     scales = torch.randint(120, 135, (3, 6, 2), dtype=torch.uint8)
