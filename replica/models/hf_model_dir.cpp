@@ -80,7 +80,7 @@ std::vector<std::string> hf_weight_files(const std::string& dir) {
   return files;
 }
 
-torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir) {
+torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir, const QuantOptions& quant) {
   const auto files = hf_weight_files(dir);
   // Which shard the index says each tensor is in (checked when the shard is read).
   std::map<std::string, std::string> expected_file;
@@ -95,6 +95,16 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
   std::map<std::string, torch::Tensor> params;
   for (const auto& item : model->named_parameters(/*recurse=*/true)) {
     if (!is_lora_name(item.key())) params[item.key()] = item.value();
+  }
+  // With a quantization, each decoder linear is quantized as soon as its weight is read, and
+  // the full-precision copy freed (the model was built with init false: a weight's pages
+  // become resident only when copied here), so the whole model is never resident in full
+  // precision: at most one weight file plus one layer's weight beside the quantized ones.
+  std::map<std::string, std::shared_ptr<LoraLinearImpl>> quantize_on_load;
+  if (quant.enabled()) {
+    for (auto& [name, layer] : quantizable_linears(*model)) {
+      if (!layer->base_quantized()) quantize_on_load[name + ".weight"] = layer;
+    }
   }
   const bool tied = model->config().tie_word_embeddings;
   std::set<std::string> loaded;
@@ -122,6 +132,10 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
       if (!loaded.insert(name).second) fail("{}: tensor {} appears in more than one weight file", path, name);
       if (!stored) stored = dt;
       it->second.copy_(tensor);
+      if (auto q = quantize_on_load.find(name); q != quantize_on_load.end()) {
+        it->second = torch::Tensor();  // this map's handle: the layer's goes in quantize_base
+        q->second->quantize_base(quant);
+      }
     }
     for (const auto& [tensor, shard] : expected_file) {
       if (shard == path && !file.contains(tensor)) {
@@ -136,16 +150,20 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
   return model->checkpoint_dtype();
 }
 
-LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype) {
+LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype, const QuantOptions& quant) {
   LlamaConfig config = read_hf_config(dir);
   LlamaForCausalLM model(config, dtype, /*init=*/false);
-  load_hf_weights(model, dir);
+  load_hf_weights(model, dir, quant);
   return model;
 }
 
 io::NamedTensors hf_state_dict(const LlamaForCausalLM& model, std::optional<torch::ScalarType> dtype) {
   if (has_lora(*model)) {
     fail("the model has LoRA adapters attached: merge them (merge_lora) or save the adapter instead");
+  }
+  if (has_quantized_base(*model)) {
+    // Its decoder weights are codes, not parameters: a model directory needs the real weights.
+    fail("the model's base is quantized: save its adapter, or the unquantized base it was loaded from");
   }
   const auto target = dtype.value_or(model->checkpoint_dtype());
   io::NamedTensors out;

@@ -33,14 +33,19 @@ std::vector<std::string> hf_weight_files(const std::string& dir);
 // its shape; a tensor matching no parameter is an error naming it and its file (HF's legacy
 // rotary_emb.inv_freq buffers and, for tied models, lm_head.weight are skipped). Returns the
 // dtype the weights were stored in, and records it as the model's checkpoint_dtype.
-torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir);
+// With `quant`, every decoder linear (lora.h: quantizable_linears) is quantized as soon as its
+// weight is read (converted to `dtype` first), so the full-precision model is never resident
+// at once: QLoRA's load_in_4bit / load_in_8bit.
+torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir, const QuantOptions& quant = {});
 
-// config.json + weights: a model with parameters in `dtype` (fp32 by default).
-LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype = torch::kFloat32);
+// config.json + weights: a model with parameters in `dtype` (fp32 by default), its decoder
+// linears quantized when `quant` says so.
+LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype = torch::kFloat32,
+                               const QuantOptions& quant = {});
 
 // The model's weights under their HF names in `dtype` (default: its checkpoint dtype), on
 // CPU, contiguous; for tied models without lm_head.weight. replica::Error if LoRA adapters
-// are attached and unmerged (merge_lora first, or save the adapter).
+// are attached and unmerged (merge_lora first, or save the adapter), or the base is quantized.
 io::NamedTensors hf_state_dict(const LlamaForCausalLM& model, std::optional<torch::ScalarType> dtype = std::nullopt);
 
 // Writes an HF model directory OUT: model.safetensors (hf_state_dict; atomic), config.json

@@ -67,8 +67,8 @@ LoraLinearImpl::LoraLinearImpl(int64_t in_features, int64_t out_features, bool w
 }
 
 torch::Tensor LoraLinearImpl::forward(const torch::Tensor& x) {
-  // The frozen base layer: x W^T + b.
-  auto result = torch::linear(x, weight, bias);
+  // The frozen base layer: x W^T + b (W dequantized for this call when it is held quantized).
+  auto result = quantized_.defined() ? quantized_linear(x, quantized_, bias) : torch::linear(x, weight, bias);
   if (lora_A.is_empty()) return result;
   // PEFT Linear.forward: the LoRA branch runs in the adapter's dtype on the (dropped-out)
   // input, scaled, added, and the sum cast back to the base output's dtype.
@@ -82,7 +82,7 @@ torch::Tensor LoraLinearImpl::forward(const torch::Tensor& x) {
 void LoraLinearImpl::add_lora(int64_t r, double scaling, double dropout) {
   if (!lora_A.is_empty()) fail("LoraLinear: an adapter is already attached");
   if (r < 1) fail("LoRA: r must be at least 1, got {}", r);
-  const auto options = torch::TensorOptions().dtype(torch::kFloat32).device(weight.device());
+  const auto options = torch::TensorOptions().dtype(torch::kFloat32).device(device());
   // update_layer + reset_lora_parameters(init_lora_weights=True): A kaiming-uniform with
   // a = sqrt(5) (nn.Linear's default), B zeros, so the adapter starts as the identity.
   lora_A = register_module("lora_A", torch::nn::Linear(torch::nn::LinearOptions(in_features_, r).bias(false)));
@@ -98,6 +98,13 @@ void LoraLinearImpl::add_lora(int64_t r, double scaling, double dropout) {
 
 void LoraLinearImpl::merge_lora() {
   if (lora_A.is_empty()) return;
+  if (quantized_.defined()) {
+    // PEFT re-quantizes after merging, which adds a second rounding to the delta; replica merges
+    // where the weights are exact: the unquantized base read again from its directory.
+    fail("LoraLinear: the base weight is quantized ({}); merge the adapter into the unquantized base "
+         "(replica merge-adapter --model BASE --adapter DIR, or merge_adapter: true)",
+         quantized_.kind == QuantKind::Nf4 ? "nf4" : "int8");
+  }
   torch::NoGradGuard no_grad;
   // get_delta_weight: (B @ A) * scaling, in fp32; W + delta rounded once to W's dtype.
   auto delta = torch::matmul(lora_B->weight.to(torch::kFloat32), lora_A->weight.to(torch::kFloat32)) * scaling_;
@@ -111,6 +118,48 @@ void LoraLinearImpl::remove_lora() {
   unregister_module("lora_B");
   lora_A = nullptr;
   lora_B = nullptr;
+}
+
+void LoraLinearImpl::quantize_base(const QuantOptions& options) {
+  if (quantized_.defined()) fail("LoraLinear: the base weight is already quantized");
+  if (!options.enabled()) fail("LoraLinear: quantize_base needs a quantization (int4 or int8), got none");
+  quantized_ = quantize(weight, options);
+  // Release the full-precision weight: no longer a parameter (nothing sees, broadcasts, steps or
+  // saves it), and the module's handle gone, so its memory is freed once the caller's is.
+  parameters_.erase("weight");
+  weight = torch::Tensor();
+}
+
+torch::Tensor LoraLinearImpl::base_weight() const {
+  return quantized_.defined() ? dequantize(quantized_) : weight;
+}
+
+torch::Device LoraLinearImpl::device() const {
+  return quantized_.defined() ? quantized_.device() : weight.device();
+}
+
+int64_t LoraLinearImpl::base_bytes() const {
+  int64_t n = quantized_.defined() ? quantized_.bytes() : weight.numel() * static_cast<int64_t>(weight.element_size());
+  if (bias.defined()) n += bias.numel() * static_cast<int64_t>(bias.element_size());
+  return n;
+}
+
+void LoraLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(device, dtype, non_blocking);
+  if (quantized_.defined()) {
+    quantized_ = quantized_.to(device, non_blocking);
+    quantized_.dtype = dtype;
+  }
+}
+
+void LoraLinearImpl::to(torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(dtype, non_blocking);
+  if (quantized_.defined()) quantized_.dtype = dtype;
+}
+
+void LoraLinearImpl::to(torch::Device device, bool non_blocking) {
+  torch::nn::Module::to(device, non_blocking);
+  if (quantized_.defined()) quantized_ = quantized_.to(device, non_blocking);
 }
 
 double LoraConfig::scaling() const {
@@ -386,6 +435,13 @@ LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir) {
 }
 
 int merge_lora(torch::nn::Module& model) {
+  for (const auto& [name, layer] : lora_linears(model)) {
+    if (layer->has_lora() && layer->base_quantized()) {
+      fail("LoRA: cannot merge into {}: its base weight is quantized; merge the adapter into the unquantized "
+           "base (replica merge-adapter --model BASE --adapter DIR, or merge_adapter: true)",
+           name);
+    }
+  }
   int merged = 0;
   for (const auto& [name, layer] : lora_linears(model)) {
     if (!layer->has_lora()) continue;
@@ -400,6 +456,57 @@ bool has_lora(const torch::nn::Module& model) {
     if (layer->has_lora()) return true;
   }
   return false;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<LoraLinearImpl>>> quantizable_linears(const torch::nn::Module& model) {
+  // QLoRA (bitsandbytes through transformers) replaces the decoder's nn.Linear layers and keeps
+  // lm_head in full precision (llm_int8_skip_modules); embeddings and norms are not linears.
+  std::vector<std::pair<std::string, std::shared_ptr<LoraLinearImpl>>> out;
+  for (auto& [name, layer] : lora_linears(model)) {
+    if (in_decoder_layers(name) && last_component(name) != "lm_head") out.emplace_back(name, layer);
+  }
+  return out;
+}
+
+std::vector<std::string> quantize_base_linears(torch::nn::Module& model, const QuantOptions& options) {
+  if (!options.enabled()) return {};
+  std::vector<std::string> names;
+  for (auto& [name, layer] : quantizable_linears(model)) {
+    if (layer->base_quantized()) continue;
+    layer->quantize_base(options);
+    names.push_back(name);
+  }
+  return names;
+}
+
+bool has_quantized_base(const torch::nn::Module& model) {
+  for (const auto& [name, layer] : lora_linears(model)) {
+    if (layer->base_quantized()) return true;
+  }
+  return false;
+}
+
+BaseMemory base_memory(const torch::nn::Module& model) {
+  BaseMemory m;
+  for (const auto& item : model.named_parameters()) {
+    if (!peft_adapter_key(item.key()).empty()) continue;
+    const auto& p = item.value();
+    m.bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    m.fp16_bytes += 2 * p.numel();
+  }
+  for (const auto& item : model.named_buffers()) {
+    m.bytes += item.value().numel() * static_cast<int64_t>(item.value().element_size());
+  }
+  for (const auto& [name, layer] : lora_linears(model)) {
+    if (!layer->base_quantized()) continue;
+    const auto& q = layer->quantized_weight();
+    m.bytes += q.bytes();
+    m.fp16_bytes += 2 * q.numel();
+    m.quantized_bytes += q.bytes();
+    m.quantized_fp16_bytes += 2 * q.numel();
+    ++m.quantized_layers;
+  }
+  return m;
 }
 
 }  // namespace replica::models

@@ -19,9 +19,16 @@
 // lora_state_dict() returns exactly those keys; save_adapter()/load_adapter() read and write
 // a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that PEFT's
 // PeftModel.from_pretrained loads, and that replica loads back from PEFT.
+//
+// Quantized base (QLoRA). quantize_base_linears() holds the frozen base weight of every linear
+// layer inside the decoder layers in NF4 or int8 (models/quant.h) and releases the full-
+// precision one; embeddings, lm_head and norms stay as they are, as with bitsandbytes in
+// transformers. The adapters stay fp32 and are saved exactly as over an unquantized base: an
+// adapter trained over the quantized base loads in PEFT over the unquantized one.
 #pragma once
 
 #include "replica/io/safetensors.h"
+#include "replica/models/quant.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -48,22 +55,44 @@ class LoraLinearImpl : public torch::nn::Module {
   // does the freezing for the whole model. replica::Error when an adapter is already there.
   void add_lora(int64_t r, double scaling, double dropout);
   // W += scaling * B @ A (in fp32, rounded once to W's dtype), then removes the adapter.
+  // replica::Error over a quantized base (merging belongs on the unquantized weights).
   void merge_lora();
   // Removes the adapter without merging.
   void remove_lora();
   bool has_lora() const { return !lora_A.is_empty(); }
+
+  // Quantizes the base weight (models/quant.h) where it lives and releases the full-precision
+  // one: `weight` is no longer a parameter (it becomes undefined), forward dequantizes the codes
+  // to the compute dtype on each call, and backward does again (quantized_linear). The bias is
+  // kept as it is. replica::Error when the base is already quantized or options are none.
+  void quantize_base(const QuantOptions& options);
+  bool base_quantized() const { return quantized_.defined(); }
+  const QuantizedTensor& quantized_weight() const { return quantized_; }
+  // The base weight's values: `weight`, or the quantized weight dequantized (a new tensor).
+  torch::Tensor base_weight() const;
+  // Where the base computes (the weight's, or its codes', device).
+  torch::Device device() const;
+  // Bytes the base layer holds: the weight (or its codes and statistics) and the bias.
+  int64_t base_bytes() const;
+
+  // Module::to, and the quantized weight moves with the module. Its codes keep their integer
+  // dtype: to(dtype) only changes the dtype dequantize() gives by default.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
   double lora_scaling() const { return scaling_; }
   double lora_dropout() const { return dropout_; }
 
-  torch::Tensor weight;
-  torch::Tensor bias;  // undefined when the layer has no bias
+  torch::Tensor weight;  // undefined once the base is quantized
+  torch::Tensor bias;    // undefined when the layer has no bias
   torch::nn::Linear lora_A{nullptr};
   torch::nn::Linear lora_B{nullptr};
 
  private:
+  QuantizedTensor quantized_;
   int64_t in_features_ = 0;
   int64_t out_features_ = 0;
   double scaling_ = 1.0;
@@ -123,8 +152,29 @@ LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir);
 
 // Folds every adapter into its base weight (W += scaling * B @ A) and removes the adapters;
 // returns how many were merged. Base parameters stay frozen (requires_grad unchanged).
+// replica::Error naming the layer when its base is quantized.
 int merge_lora(torch::nn::Module& model);
 // True when any LoraLinear of `model` carries an adapter.
 bool has_lora(const torch::nn::Module& model);
+
+// The linear layers QLoRA quantizes: every LoraLinear inside the decoder layers (never lm_head,
+// nor the embeddings and norms, which are not LoraLinear), with its full name.
+std::vector<std::pair<std::string, std::shared_ptr<LoraLinearImpl>>> quantizable_linears(const torch::nn::Module& model);
+// Quantizes the base of every quantizable linear that is not quantized yet (quantize_base) and
+// returns their names. Adapters, present or added later, are not touched.
+std::vector<std::string> quantize_base_linears(torch::nn::Module& model, const QuantOptions& options);
+// True when any LoraLinear of `model` holds a quantized base.
+bool has_quantized_base(const torch::nn::Module& model);
+
+// What the frozen base holds (adapter weights excluded): every other parameter and buffer, and
+// the quantized weights' codes and statistics, against the same weights in fp16.
+struct BaseMemory {
+  int64_t bytes = 0;                 // as held
+  int64_t fp16_bytes = 0;            // every base weight at 2 bytes
+  int64_t quantized_bytes = 0;       // the quantized linears' codes and statistics
+  int64_t quantized_fp16_bytes = 0;  // those weights at 2 bytes
+  int quantized_layers = 0;
+};
+BaseMemory base_memory(const torch::nn::Module& model);
 
 }  // namespace replica::models

@@ -396,11 +396,25 @@ LlmSftSettings llm_sft_settings(const RunConfig& config) {
 
 void check_llm_sft_config(const RunConfig& config) {
   const LlmSftSettings s = llm_sft_settings(config);
-  if (config.llm.quantization != "none") {
-    fail("quantization {} is not supported: 4-bit/8-bit quantized training (QLoRA) is a GPU feature of "
-         "bitsandbytes, and replica trains on CPU without it; leave quantization at none (the default; "
-         "--peft still trains LoRA adapters on the unquantized model)",
-         config.llm.quantization);
+  if (models::quant_options(config.llm.quantization, "params.quantization").enabled()) {
+    // QLoRA: the quantized base is frozen, only adapters over it train (models/quant.h).
+    if (!config.llm.peft) {
+      fail("quantization {} needs peft: true: a quantized base is frozen and only LoRA adapters train over it "
+           "(QLoRA); full fine-tuning of quantized weights is not supported (set peft: true, or quantization: "
+           "none to fine-tune every weight)",
+           config.llm.quantization);
+    }
+    if (zero_stage_of(config.params) == 3) {
+      // ZeRO-3 shards and gathers parameters; the quantized weights are codes beside the
+      // parameters, which it would neither shard nor gather (DeepSpeed needs special handling
+      // for bitsandbytes' weights too). Stages 0-2 shard only gradients and optimizer state:
+      // the adapters', which they handle as any parameters.
+      fail("quantization {} with distributed_backend zero3 (ZeRO stage 3) is not supported: ZeRO-3 shards "
+           "parameters and a quantized base is held as codes that are not parameters; use distributed_backend "
+           "ddp (zero_stage 0-2; each worker holds the whole base, about a quarter of its fp16 bytes with int4) "
+           "or quantization none",
+           config.llm.quantization);
+    }
   }
   if (config.llm.unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
   const fs::path model(config.base_model);
@@ -462,14 +476,28 @@ class LlmSft final : public Workload {
     // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
     // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
     const auto dtype = settings_.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
-    model_ = models::load_hf_model(config.base_model, dtype);
+    // quantization: every decoder linear quantized as it is read (QLoRA's load_in_4bit/8bit).
+    const auto quant = models::quant_options(config.llm.quantization, "params.quantization");
+    model_ = models::load_hf_model(config.base_model, dtype, quant);
+    if (main) spdlog::info("llm-sft: model {}", models::describe_model(model_->config()));
+    if (quant.enabled() && main) {
+      constexpr double kMiB = 1024.0 * 1024.0;
+      const auto m = models::base_memory(*model_);
+      spdlog::info("llm-sft: base quantized to {}: {} decoder linears in {:.2f} MiB ({:.3f}x fp16), the whole "
+                   "base {:.2f} MiB ({:.3f}x fp16; embeddings, head and norms in {})",
+                   models::describe(quant), m.quantized_layers, m.quantized_bytes / kMiB,
+                   static_cast<double>(m.quantized_bytes) / static_cast<double>(m.quantized_fp16_bytes),
+                   m.bytes / kMiB, static_cast<double>(m.bytes) / static_cast<double>(m.fp16_bytes),
+                   models::dtype_to_string(dtype));
+    }
     // AutoTrain's default: every decoder layer recomputed in backward (models/recompute.h).
     model_->model->set_gradient_checkpointing(!config.llm.disable_gradient_checkpointing);
     if (settings_.peft) {
       lora_ = settings_.lora;
       const auto adapted = models::apply_lora(*model_, lora_);
       if (main) {
-        int64_t trainable = 0, total = 0;
+        // A quantized weight is not a parameter any more; it still counts in the model's size.
+        int64_t trainable = 0, total = models::base_memory(*model_).quantized_fp16_bytes / 2;
         for (const auto& p : model_->parameters()) {
           total += p.numel();
           if (p.requires_grad()) trainable += p.numel();
@@ -688,7 +716,9 @@ TaskSpec llm_sft_task() {
           .group("LLM")
           .one_of({"right", "left"}),
       key("add_eos_token", l, &L::add_eos_token, "end every text sample with the tokenizer's EOS").group("LLM"),
-      key("quantization", l, &L::quantization, "quantized base (int4/int8 need bitsandbytes on CUDA: refused)")
+      key("quantization", l, &L::quantization,
+          "QLoRA: the frozen base's decoder linears held quantized, dequantized per layer on the fly (needs peft; "
+          "int4: NF4, blocks of 64, double-quantized absmax, ~0.26x fp16; int8: per-row absmax, ~0.5x)")
           .group("LLM")
           .one_of({"none", "int4", "int8"})
           .null_is("none"),
@@ -725,7 +755,9 @@ TaskSpec llm_sft_task() {
 
 LlmEvalResult evaluate_llm(const RunConfig& config, const std::string& adapter_dir) {
   const LlmSftSettings settings = llm_sft_settings(config);
-  auto model = models::load_hf_model(config.base_model, torch::kFloat32);
+  // With quantization the adapter is evaluated over the quantized base, as it was trained.
+  auto model = models::load_hf_model(config.base_model, torch::kFloat32,
+                                     models::quant_options(config.llm.quantization, "params.quantization"));
   if (!adapter_dir.empty()) models::load_adapter(*model, adapter_dir);
   SftEncoder encoder(config.base_model, encoder_options(config, settings.model_max_length));
   const std::string split = config.data.valid_split.value_or(config.data.train_split);

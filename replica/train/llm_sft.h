@@ -39,6 +39,10 @@
 // dropout, target_modules; all-linear never includes lm_head) on the frozen base, which is
 // held in bf16 when mixed_precision is bf16 (the fp32 adapters are the master weights);
 // full fine-tuning keeps fp32 master weights and computes in bf16 under autocast.
+// quantization int4 / int8 (QLoRA, peft only): the base's decoder linears are quantized as
+// they are loaded (models/quant.h: NF4 with double quantization, or per-row int8) and
+// dequantized per layer on the fly; the adapter saved is the same PEFT adapter as over the
+// unquantized base, which it loads onto.
 #pragma once
 
 #include "replica/train/run_config.h"
@@ -155,13 +159,14 @@ LlmSftSettings llm_sft_settings(const RunConfig& config);
 
 std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadContext& context);
 
-// What can be refused before workers start: quantization (a bitsandbytes/CUDA feature), a
+// What can be refused before workers start: quantization without peft or with ZeRO-3, a
 // base model directory without config.json or tokenizer, a missing data file.
 void check_llm_sft_config(const RunConfig& config);
 
 // `replica llm --eval`: every sample of the split (valid_split when set, else train_split)
 // on its own (no packing; truncated only at model_max_length), through the base model (plus
-// the PEFT adapter in adapter_dir when given) in fp32: cross-entropy summed over every
+// the PEFT adapter in adapter_dir when given) in fp32, its decoder linears quantized when
+// config's quantization says so: cross-entropy summed over every
 // trained token (models::mean_token_loss with the samples' loss masks) divided by their
 // count.
 struct LlmEvalResult {

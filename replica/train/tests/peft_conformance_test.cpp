@@ -8,7 +8,8 @@
 //   full fine-tuning: transformers' from_pretrained(final/) gives the logits (within 1e-4)
 //     and greedy tokens that replica computes from the same final/;
 //   LoRA: PeftModel.from_pretrained(base, final/) takes the adapter as written and gives
-//     replica's logits (base + adapter, within 1e-4); `replica merge-adapter` (and the run's
+//     replica's logits (base + adapter, within 1e-4; also for adapters trained over an int4 or
+//     int8 quantized base, loaded over the unquantized one); `replica merge-adapter` (and the run's
 //     merge_adapter: true) writes the weights of PEFT's merge_and_unload() (within 1e-6 in
 //     fp32; bit for bit in bf16) with the same logits;
 //   and the other way: an adapter that PEFT made and saved loads into replica with PeftModel's
@@ -205,6 +206,7 @@ struct LoraCase {
   std::string name, variant, targets;
   int r, alpha;
   std::string dropout, mixed_precision;
+  std::string quantization = "none";  // int4 / int8: trained over a quantized base (QLoRA)
 };
 
 std::ostream& operator<<(std::ostream& os, const LoraCase& c) { return os << c.name; }
@@ -219,12 +221,15 @@ TEST_P(PeftAdapter, LoadsIntoPeftAndMergesLikeMergeAndUnload) {
   const std::string base = dir / "base", data = dir / "data.jsonl", project = dir / "run";
   ASSERT_TRUE(make_base(c.variant, base));
   write_data(data);
+  // A QLoRA run trains over the quantized base; everything below checks its adapter over the
+  // unquantized base, as PEFT users load one.
   const Result r = replica_program(train_args(
       base, data, project,
       {"--peft", "--lora-r", std::to_string(c.r), "--lora-alpha", std::to_string(c.alpha), "--lora-dropout",
        c.dropout, "--target-modules", c.targets, "--lr", "1e-2", "--mixed-precision", c.mixed_precision,
-       "--merge-adapter"}));
+       "--merge-adapter", "--quantization", c.quantization}));
   ASSERT_EQ(r.exit_code, 0) << r;
+  if (c.quantization != "none") EXPECT_NE(r.err.find("llm-sft: base quantized to"), std::string::npos) << r;
   const std::string adapter = (fs::path(project) / "final").string();
   ASSERT_TRUE(fs::exists(fs::path(adapter) / "adapter_model.safetensors")) << r;
   const auto adapter_config = json::parse(read_text(fs::path(adapter) / "adapter_config.json"));
@@ -298,7 +303,10 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(LoraCase{"llama_all_linear", "llama_gqa", "all-linear", 4, 8, "0.05", "fp32"},
                       LoraCase{"qwen2_some_modules", "qwen2", "q,v,o_proj,down_proj", 8, 16, "0.1", "fp32"},
                       LoraCase{"qwen3_all_linear", "qwen3", "all-linear", 2, 6, "0", "fp32"},
-                      LoraCase{"qwen2_bf16_all_linear", "qwen2_tied_bf16", "all-linear", 4, 16, "0.05", "bf16"}),
+                      LoraCase{"qwen2_bf16_all_linear", "qwen2_tied_bf16", "all-linear", 4, 16, "0.05", "bf16"},
+                      LoraCase{"llama_qlora_int4", "llama_gqa", "all-linear", 4, 8, "0.05", "fp32", "int4"},
+                      LoraCase{"qwen2_qlora_int8_bf16", "qwen2_tied_bf16", "all-linear", 4, 16, "0.05", "bf16",
+                               "int8"}),
     [](const ::testing::TestParamInfo<LoraCase>& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------
