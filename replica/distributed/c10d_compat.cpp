@@ -29,6 +29,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/version.h>
 
+#include <algorithm>
+#include <functional>
 #include <optional>
 #ifdef REPLICA_WITH_CUDA
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -51,6 +53,23 @@ struct StagedWork final : Work::Impl {
   bool done() const override { return inner.done(); }
   Work inner;
   at::Tensor host, device;
+};
+
+// A collective whose result still has to be put in place (a padded tail, a shard copied
+// back) when it is waited for.
+struct FinishingWork final : Work::Impl {
+  FinishingWork(Work inner, std::function<void()> finish) : inner(std::move(inner)), finish(std::move(finish)) {}
+  void wait() override {
+    inner.wait();
+    if (finish) {
+      auto f = std::move(finish);
+      finish = nullptr;
+      f();
+    }
+  }
+  bool done() const override { return inner.done(); }
+  Work inner;
+  std::function<void()> finish;
 };
 
 struct C10dWork final : Work::Impl {
@@ -125,6 +144,61 @@ Work ProcessGroup::backend_allreduce_sum(torch::Tensor& tensor) {
   Work done(std::make_shared<C10dWork>(work, rank(), "all-reduce"));
   if (target.is_same(tensor)) return done;
   return Work(std::make_shared<StagedWork>(std::move(done), tensor, target));
+}
+
+bool ProcessGroup::backend_takes(const torch::Tensor& tensor) const {
+  return impl_ && impl_->backend && (!impl_->stage || tensor.is_cuda());
+}
+
+// Note [native reduce-scatter and all-gather]
+// Without the shared-memory transport (across nodes, REPLICA_TRANSPORT=gloo, and NCCL on GPUs)
+// the sharded DDP step and ZeRO-3 use the backend's reduce-scatter and all-gather, which move
+// (N-1)/N of the tensor per rank where an all-reduce moves twice that. Both need N equal
+// chunks: shard_range cuts the tensor into chunks of `chunk` elements with a short (or empty)
+// tail, so a tensor of other than N * chunk elements goes through a padded copy. The
+// reduce-scatter writes this rank's chunk into a separate buffer (no aliasing of input and
+// output, which Gloo does not promise to handle) and copies it back, divided, on wait().
+Work ProcessGroup::backend_reduce_scatter_sum(torch::Tensor& tensor, int64_t chunk, double divisor) {
+  at::NoGradGuard no_grad;  // ZeRO-3 gathers inside forward: the backend's views must not join the graph
+  const int n = size();
+  const int64_t numel = tensor.numel(), padded = chunk * n;
+  at::Tensor input = tensor;
+  if (padded != numel) {
+    input = torch::zeros({padded}, tensor.options());
+    input.narrow(0, 0, numel).copy_(tensor);
+  }
+  at::Tensor output = torch::empty({chunk}, tensor.options());
+  auto work = guarded(rank(), "reduce-scatter", [&] {
+    return impl_->backend->_reduce_scatter_base(output, input, c10d::ReduceScatterOptions{});
+  });
+  Work done(std::make_shared<C10dWork>(work, rank(), "reduce-scatter"));
+  const int64_t begin = std::min(numel, chunk * rank()), end = std::min(numel, begin + chunk);
+  return Work(std::make_shared<FinishingWork>(std::move(done), [tensor, output, input, begin, end, divisor] {
+    if (end <= begin) return;
+    at::NoGradGuard no_grad;
+    auto own = tensor.narrow(0, begin, end - begin);
+    own.copy_(output.narrow(0, 0, end - begin));
+    if (divisor != 1.0) own.div_(divisor);
+  }));
+}
+
+Work ProcessGroup::backend_all_gather(torch::Tensor& tensor, int64_t chunk) {
+  at::NoGradGuard no_grad;  // as above
+  const int n = size();
+  const int64_t numel = tensor.numel(), padded = chunk * n;
+  const int64_t begin = std::min(numel, chunk * rank()), end = std::min(numel, begin + chunk);
+  at::Tensor input = torch::zeros({chunk}, tensor.options());
+  if (end > begin) input.narrow(0, 0, end - begin).copy_(tensor.narrow(0, begin, end - begin));
+  at::Tensor output = padded == numel ? tensor : torch::empty({padded}, tensor.options());
+  auto work = guarded(rank(), "all-gather", [&] {
+    return impl_->backend->_allgather_base(output, input, c10d::AllgatherOptions{});
+  });
+  Work done(std::make_shared<C10dWork>(work, rank(), "all-gather"));
+  if (output.is_same(tensor)) return Work(std::make_shared<FinishingWork>(std::move(done), [input] {}));
+  return Work(std::make_shared<FinishingWork>(std::move(done), [tensor, output, input, numel] {
+    at::NoGradGuard no_grad;
+    tensor.copy_(output.narrow(0, 0, numel));
+  }));
 }
 
 void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root, const char* file, int line) {

@@ -208,8 +208,23 @@ std::pair<int64_t, int64_t> ProcessGroup::shard_range(int64_t numel, torch::Scal
   return ShmAllreduce::shard_range(numel, size(), rank, c10::elementSize(dtype));
 }
 
+namespace {
+
+// Elements per rank in shard_range's cut of `tensor` (rank 0's shard; the last may be short).
+int64_t chunk_of(const ProcessGroup& pg, const torch::Tensor& tensor) {
+  const auto [b, e] = pg.shard_range(tensor.numel(), tensor.scalar_type(), 0);
+  return e - b;
+}
+
+}  // namespace
+
 Work ProcessGroup::reduce_scatter_sum(torch::Tensor& tensor, const char* file, int line) {
+  if (size() <= 1) return Work();
   if (!(shares_memory() && ShmTransport::supports(tensor))) {
+    if (tensor.dim() == 1 && tensor.numel() > 0 && backend_takes(tensor)) {
+      const int64_t chunk = chunk_of(*this, tensor);
+      return monitored(monitor_, "reduce-scatter", tensor, file, line, [&] { return backend_reduce_scatter_sum(tensor, chunk, 1.0); });
+    }
     return allreduce_sum(tensor, file, line);
   }
   return monitored(monitor_, "reduce-scatter", tensor, file, line,
@@ -219,6 +234,10 @@ Work ProcessGroup::reduce_scatter_sum(torch::Tensor& tensor, const char* file, i
 Work ProcessGroup::reduce_scatter_average(torch::Tensor& tensor, const char* file, int line) {
   if (size() <= 1) return Work();
   if (!(shares_memory() && ShmTransport::supports(tensor))) {
+    if (tensor.dim() == 1 && tensor.numel() > 0 && backend_takes(tensor)) {
+      const int64_t chunk = chunk_of(*this, tensor);
+      return monitored(monitor_, "reduce-scatter", tensor, file, line, [&] { return backend_reduce_scatter_sum(tensor, chunk, static_cast<double>(size())); });
+    }
     torch::NoGradGuard no_grad;
     tensor.div_(size());
     return allreduce_sum(tensor, file, line);
@@ -232,6 +251,10 @@ Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, in
   if (size() <= 1) return Work();
   if (!(shares_memory() && ShmTransport::supports(tensor))) {
     if (tensor.dim() != 1) fail("all_gather_shards: needs a flat tensor, got shape {}", c10::str(tensor.sizes()));
+    if (tensor.numel() > 0 && backend_takes(tensor)) {
+      const int64_t chunk = chunk_of(*this, tensor);
+      return monitored(monitor_, "all-gather", tensor, file, line, [&] { return backend_all_gather(tensor, chunk); });
+    }
     auto [b, e] = shard_range(tensor.numel(), tensor.scalar_type(), rank());
     torch::NoGradGuard no_grad;
     tensor.slice(0, 0, b).zero_();
@@ -240,6 +263,26 @@ Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, in
   }
   return monitored(monitor_, "all-gather", tensor, file, line,
                    [&] { return shm_->submit(tensor, ShmTransport::Op::kAllGather); });
+}
+
+Work ProcessGroup::reduce_scatter_chunks(torch::Tensor& tensor, int64_t chunk, double divisor, const char* file,
+                                         int line) {
+  if (size() <= 1) return Work();
+  if (!native_chunks(tensor) || tensor.dim() != 1 || tensor.numel() != chunk * size()) {
+    fail("reduce_scatter_chunks: needs a flat tensor of {} x {} elements on a backend that takes it, got {}", size(),
+         chunk, c10::str(tensor.sizes()));
+  }
+  return monitored(monitor_, "reduce-scatter", tensor, file, line,
+                   [&] { return backend_reduce_scatter_sum(tensor, chunk, divisor); });
+}
+
+Work ProcessGroup::all_gather_chunks(torch::Tensor& tensor, int64_t chunk, const char* file, int line) {
+  if (size() <= 1) return Work();
+  if (!native_chunks(tensor) || tensor.dim() != 1 || tensor.numel() != chunk * size()) {
+    fail("all_gather_chunks: needs a flat tensor of {} x {} elements on a backend that takes it, got {}", size(),
+         chunk, c10::str(tensor.sizes()));
+  }
+  return monitored(monitor_, "all-gather", tensor, file, line, [&] { return backend_all_gather(tensor, chunk); });
 }
 
 std::vector<std::string> ProcessGroup::allgather_strings(const std::string& mine, const char* file, int line) {

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -106,6 +107,16 @@ class ProcessGroup {
   // Shared memory as above copies the peers' shards; otherwise the shards are summed with
   // zeros elsewhere (exact).
   Work all_gather_shards(torch::Tensor& tensor, const char* file = __builtin_FILE(), int line = __builtin_LINE());
+  // For layouts of their own (ZeRO-3's groups of size() * chunk elements): the backend's
+  // reduce-scatter (this rank's chunk [rank * chunk, (rank + 1) * chunk) ends as the sum
+  // divided by `divisor`) and all-gather (every chunk ends as its rank's), each moving 1/size of
+  // an all-reduce's data. Only where native_chunks(tensor): not with the shared-memory
+  // transport, whose all-reduce is the faster path on one host.
+  bool native_chunks(const torch::Tensor& tensor) const { return !shares_memory() && backend_takes(tensor); }
+  Work reduce_scatter_chunks(torch::Tensor& tensor, int64_t chunk, double divisor,
+                             const char* file = __builtin_FILE(), int line = __builtin_LINE());
+  Work all_gather_chunks(torch::Tensor& tensor, int64_t chunk, const char* file = __builtin_FILE(),
+                         int line = __builtin_LINE());
   // In-place: every rank ends with root's values.
   void broadcast(std::vector<torch::Tensor>& tensors, int root = 0, const char* file = __builtin_FILE(),
                  int line = __builtin_LINE());
@@ -138,6 +149,14 @@ class ProcessGroup {
  private:
   friend std::shared_ptr<ProcessGroup> init_process_group(const WorldInfo&, const ProcessGroupOptions&);
   Work backend_allreduce_sum(torch::Tensor& tensor);
+  // The backend's own reduce-scatter / all-gather (NCCL's, Gloo's) of a flat tensor cut into
+  // chunks of `chunk` elements (shard_range's; the tail padded for the call), so each moves
+  // 1/size of an all-reduce's data per rank; the reduce-scatter divides this rank's shard by
+  // `divisor`. backend_takes: whether the backend can (not a CPU tensor under NCCL, which
+  // falls back to an all-reduce through the staging device).
+  bool backend_takes(const torch::Tensor& tensor) const;
+  Work backend_reduce_scatter_sum(torch::Tensor& tensor, int64_t chunk, double divisor);
+  Work backend_all_gather(torch::Tensor& tensor, int64_t chunk);
 
   WorldInfo world_;
   std::unique_ptr<Impl> impl_;

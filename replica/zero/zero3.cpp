@@ -209,9 +209,15 @@ void Zero3::gather(Group& g) {
   const int64_t full = g.info.shard * pg_->size();
   resize_storage(g.storage, static_cast<size_t>(g.full_bytes()));
   torch::Tensor flat = flat_of(g.storage, full, g.info.dtype);
-  flat.zero_();
   flat.narrow(0, pg_->rank() * g.info.shard, g.info.shard).copy_(g.master);
-  g.in_flight = pg_->allreduce_sum(flat);
+  if (pg_->native_chunks(flat)) {
+    g.in_flight = pg_->all_gather_chunks(flat, g.info.shard);  // Note [native reduce-scatter and all-gather]
+  } else {
+    // The shared-memory all-reduce of zeros around each rank's own shard (see the top of zero3.h).
+    flat.narrow(0, 0, pg_->rank() * g.info.shard).zero_();
+    flat.narrow(0, (pg_->rank() + 1) * g.info.shard, full - (pg_->rank() + 1) * g.info.shard).zero_();
+    g.in_flight = pg_->allreduce_sum(flat);
+  }
   g.gathered = true;
   note_gathered(g.full_bytes());
 }
@@ -328,6 +334,7 @@ void Zero3::reduce(Group& g) {
   const int64_t lo = pg_->rank() * g.info.shard, hi = lo + g.info.shard;
   torch::Tensor& master_grad = g.master.mutable_grad();
   if (!master_grad.defined()) master_grad = torch::zeros_like(g.master);
+  if (reduce_native(g, master_grad)) return;
   std::vector<torch::Tensor> grads(g.params.size());
   std::vector<distributed::Work> works(g.params.size());
   int64_t grad_bytes = 0;
@@ -349,6 +356,28 @@ void Zero3::reduce(Group& g) {
   }
   g.reduced = true;
   if (!hold_all_) release(g);
+}
+
+// Without the shared-memory transport: the group's gradients flattened into its N x S layout
+// and reduce-scattered by the backend (Note [native reduce-scatter and all-gather] in
+// c10d_compat.cpp), each worker receiving only its averaged shard. False (nothing done) where
+// the transport's all-reduce is the path.
+bool Zero3::reduce_native(Group& g, torch::Tensor& master_grad) {
+  const int64_t world = pg_->size();
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(g.master.device());
+  if (world <= 1 || !pg_->native_chunks(torch::empty({0}, f32))) return false;
+  torch::Tensor flat = torch::zeros({g.info.shard * world}, f32);
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    torch::Tensor& grad = g.params[i].mutable_grad();
+    if (grad.defined()) flat.narrow(0, g.info.params[i].offset, grad.numel()).copy_(grad.reshape(-1));
+    grad = torch::Tensor();
+  }
+  stats_.peak_transient_grad_bytes = std::max(stats_.peak_transient_grad_bytes, flat.numel() * 4);
+  pg_->reduce_scatter_chunks(flat, g.info.shard, static_cast<double>(world)).wait();
+  master_grad.add_(flat.narrow(0, pg_->rank() * g.info.shard, g.info.shard));
+  g.reduced = true;
+  if (!hold_all_) release(g);
+  return true;
 }
 
 void Zero3::finalize_backward() {

@@ -27,12 +27,13 @@
 //   and (all parameters being trainable) the gathered parameters are freed. Groups that got
 //   no gradient are reduced with zeros when the backward ends. Gradient accumulation is the
 //   sum of these per-micro-batch reductions.
-// - Collectives: the all-gather and the reduce-scatter are both done with the process group's
-//   all-reduce (shared memory between the workers of a host): an all-gather is the sum of
+// - Collectives: with the shared-memory transport (the workers of one host) the all-gather
+//   and the reduce-scatter are both the transport's all-reduce: an all-gather is the sum of
 //   buffers that are zero except for each worker's own slice, a reduce-scatter an all-reduce
-//   of which each worker keeps its slice. LibTorch 1.13's Gloo group has no reduce_scatter,
-//   and the shared-memory all-reduce moves ~20 GB/s against Gloo's ~1 GB/s over loopback
-//   (bench/README.md, ZeRO-3 section, has the measured cost).
+//   of which each worker keeps its slice (the shared-memory all-reduce moves ~20 GB/s against
+//   Gloo's ~1 GB/s over loopback; bench/README.md, ZeRO-3 section). Without it (across hosts,
+//   REPLICA_TRANSPORT=gloo, NCCL) the backend's own all-gather and reduce-scatter over the
+//   group's N x S layout (ProcessGroup::*_chunks), half an all-reduce's traffic each.
 // - All workers issue the same collectives in the same order because they run the same graph.
 //   Evaluation runs with every group gathered (gather_all), so workers may run different
 //   numbers of forwards.
@@ -147,6 +148,7 @@ class Zero3 : private models::LayerHooks {
   void gather(Group& g);
   void release(Group& g);
   void reduce(Group& g);
+  bool reduce_native(Group& g, torch::Tensor& master_grad);
   void on_grad_ready(size_t group);
   void finalize_backward();
   void queue_finalize();

@@ -196,3 +196,36 @@ TEST(ProcessGroup, WorkerStartedBeforeMasterWaitsForIt) {
   late_master.join();
   EXPECT_EQ(error, "");
 }
+
+// Note [native reduce-scatter and all-gather] (c10d_compat.cpp): over Gloo, shards of a flat
+// tensor reduced and gathered by the backend's own collectives, with the padded tail (1000
+// elements over 3 ranks), an exact multiple, and a tensor smaller than one chunk.
+TEST(ProcessGroup, NativeReduceScatterAndAllGatherOverGloo) {
+  const int port = free_port();
+  run_ranks(3, [&](int r) {
+    ProcessGroupOptions options;
+    options.transport = "gloo";
+    auto pg = init_process_group(world(r, 3, port), options);
+    if (pg->shares_memory()) throw std::runtime_error("expected the Gloo transport");
+    for (const int64_t numel : {int64_t{1000}, int64_t{3 * 4096}, int64_t{5}}) {
+      // Rank r holds (r + 1) * (i + 1) at element i: the sum is 6 (i + 1), the average 2 (i + 1).
+      auto base = torch::arange(1, numel + 1, torch::kFloat32);
+      auto t = base * static_cast<float>(r + 1);
+      pg->reduce_scatter_average(t).wait();
+      const auto [b, e] = pg->shard_range(numel, torch::kFloat32, r);
+      if (e > b && !torch::equal(t.slice(0, b, e), base.slice(0, b, e) * 2.0f)) {
+        throw std::runtime_error(fmt::format("reduce-scatter average of {} elements", numel));
+      }
+      auto s = torch::zeros({numel});
+      if (e > b) s.slice(0, b, e).copy_(base.slice(0, b, e));
+      s.slice(0, 0, b).fill_(-1.0f);  // not this rank's: overwritten by the gather
+      pg->all_gather_shards(s).wait();
+      if (!torch::equal(s, base)) throw std::runtime_error(fmt::format("all-gather of {} elements", numel));
+      auto u = base * static_cast<float>(r + 1);
+      pg->reduce_scatter_sum(u).wait();
+      if (e > b && !torch::equal(u.slice(0, b, e), base.slice(0, b, e) * 6.0f)) {
+        throw std::runtime_error(fmt::format("reduce-scatter sum of {} elements", numel));
+      }
+    }
+  });
+}
