@@ -6,6 +6,7 @@
 // `replica llm` and `replica --config` runs are the same runs.
 #include "replica/cli/llm_command.h"
 
+#include "replica/cli/pod_launch.h"
 #include "replica/core/error.h"
 #include "replica/models/hf_model_dir.h"
 #include "replica/text/chat_template.h"
@@ -109,6 +110,12 @@ with --eval, the adapter is evaluated over the base quantized the same way.
 )";
 
 }  // namespace
+
+std::vector<AutoTrainOnlyFlag> autotrain_only_flags() {
+  std::vector<AutoTrainOnlyFlag> out;
+  for (const auto& u : unsupported_flags()) out.push_back({u.name, u.accepted, u.why});
+  return out;
+}
 
 LlmArgs parse_llm_args(const std::vector<std::string>& args) {
   LlmArgs out;
@@ -225,6 +232,7 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
   if (c.project_name.empty()) fail("replica llm --train: --project-name OUT is required");
   train::apply_deepspeed_config(c);
   train::validate_config(c);
+  if (auto code = run_in_pytorchjob_pod(c, self_argv)) return *code;  // Note [PyTorchJob pods]
   return train::run(c, self_argv);
 }
 

@@ -1,8 +1,10 @@
 // The `replica` program: one entry point for training, launching and diagnostics.
 #include "replica/cli/bench_allreduce.h"
 #include "replica/cli/env_report.h"
+#include "replica/cli/keys_json.h"
 #include "replica/cli/llm_command.h"
 #include "replica/cli/mds_command.h"
+#include "replica/cli/pod_launch.h"
 #include "replica/distributed/world.h"
 #include "replica/core/error.h"
 #include "replica/core/system.h"
@@ -62,15 +64,22 @@ int run_main(int argc, char** argv) {
                                               "replica launch [options] -- PROGRAM [ARGS...]");
   std::string nproc = "auto";
   replica::launch::LaunchOptions lopts;
-  launch->add_option("--nproc-per-node,--nproc_per_node", nproc, "Workers on this node: N or auto (= usable cores)")
+  // Each of these not given takes torchrun's variable for it (PET_NNODES, ...; below), as
+  // torchrun does: a PyTorchJob's training operator sets them in every pod (Note [PyTorchJob pods]).
+  launch->add_option("--nproc-per-node,--nproc_per_node", nproc, "Workers on this node: N or auto (= usable cores); "
+                                                                 "env PET_NPROC_PER_NODE")
       ->capture_default_str();
-  launch->add_option("--nnodes", lopts.nnodes, "Number of nodes")->capture_default_str();
-  launch->add_option("--node-rank,--node_rank", lopts.node_rank, "This node's rank")->capture_default_str();
-  launch->add_option("--master-addr,--master_addr", lopts.master_addr, "Rendezvous host (rank 0's node)")
+  launch->add_option("--nnodes", lopts.nnodes, "Number of nodes; env PET_NNODES")->capture_default_str();
+  launch->add_option("--node-rank,--node_rank", lopts.node_rank, "This node's rank; env PET_NODE_RANK")
       ->capture_default_str();
-  launch->add_option("--master-port,--master_port", lopts.master_port, "Rendezvous port (0: a free one, one node only)")
+  launch->add_option("--master-addr,--master_addr", lopts.master_addr, "Rendezvous host (rank 0's node); "
+                                                                       "env PET_MASTER_ADDR")
       ->capture_default_str();
-  launch->add_option("--max-restarts,--max_restarts", lopts.max_restarts, "Restarts of the worker group after a failure")
+  launch->add_option("--master-port,--master_port", lopts.master_port, "Rendezvous port (0: a free one, one node "
+                                                                       "only); env PET_MASTER_PORT")
+      ->capture_default_str();
+  launch->add_option("--max-restarts,--max_restarts", lopts.max_restarts, "Restarts of the worker group after a "
+                                                                         "failure; env PET_MAX_RESTARTS")
       ->capture_default_str();
   launch->add_option("--token", lopts.token, "Rendezvous secret for every worker (default: env REPLICA_TOKEN, "
                                             "or a random one on one node)");
@@ -141,6 +150,9 @@ int run_main(int argc, char** argv) {
   auto* keys_cmd = app.add_subcommand("keys", "Every params: key of a task (its flag, value, default and what it "
                                               "does), as `replica --config` and `replica llm` take them");
   std::string keys_task;
+  bool keys_as_json = false;
+  keys_cmd->add_flag("--json", keys_as_json, "As JSON for programs: every key with its flag, help, kind and typed "
+                                             "default, the run's own flags and the params twins");
   keys_cmd->add_option("TASK", keys_task, "llm-sft, image-classification or two-tower")
       ->required()
       ->check(CLI::IsMember(std::vector<std::string>(replica::train::EnumNames<replica::train::Task>::names.begin(),
@@ -184,6 +196,23 @@ int run_main(int argc, char** argv) {
     }
     std::vector<std::string> command = program.empty() ? launch->remaining() : program;
     if (command.empty()) replica::fail("replica launch: no program given (replica launch [options] -- PROGRAM [ARGS...])");
+    // torchrun's variables for the options not given (Note [PyTorchJob pods]); --standalone
+    // ignores them, as torchrun's does.
+    if (!standalone) {
+      using replica::cli::torchrun_env_int;
+      if (launch->count("--nproc-per-node") == 0) nproc = replica::env("PET_NPROC_PER_NODE").value_or(nproc);
+      if (launch->count("--nnodes") == 0) lopts.nnodes = torchrun_env_int("PET_NNODES").value_or(lopts.nnodes);
+      if (launch->count("--node-rank") == 0) lopts.node_rank = torchrun_env_int("PET_NODE_RANK").value_or(lopts.node_rank);
+      if (launch->count("--master-addr") == 0) {
+        lopts.master_addr = replica::env("PET_MASTER_ADDR").value_or(lopts.master_addr);
+      }
+      if (launch->count("--master-port") == 0) {
+        lopts.master_port = torchrun_env_int("PET_MASTER_PORT").value_or(lopts.master_port);
+      }
+      if (launch->count("--max-restarts") == 0) {
+        lopts.max_restarts = torchrun_env_int("PET_MAX_RESTARTS").value_or(lopts.max_restarts);
+      }
+    }
     lopts.nproc_per_node = replica::launch::resolve_nproc(nproc);
     lopts.command = command;
     if (standalone) {
@@ -227,6 +256,10 @@ int run_main(int argc, char** argv) {
   }
   if (*keys_cmd) {
     const auto task = replica::train::enum_from<replica::train::Task>(keys_task).value();
+    if (keys_as_json) {
+      std::cout << replica::cli::keys_json(task);
+      return 0;
+    }
     std::cout << "params: keys of task " << keys_task << " (defaults in brackets; YAML writes them with "
               << "underscores under params:)\n"
               << replica::train::keys_help(task);
@@ -240,6 +273,7 @@ int run_main(int argc, char** argv) {
     auto config = config_with_flags(config_path, app.remaining());
     std::vector<std::string> self = {"/proc/self/exe"};
     for (int i = 1; i < argc; ++i) self.emplace_back(argv[i]);
+    if (auto code = replica::cli::run_in_pytorchjob_pod(config, self)) return *code;
     return replica::train::run(config, self);
   }
   if (!app.remaining().empty()) replica::fail("unexpected argument '{}'; see replica --help", app.remaining().front());

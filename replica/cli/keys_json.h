@@ -1,0 +1,23 @@
+// `replica keys TASK --json`: a task's flags as data, for programs. The Python package's
+// params classes (python/replica/_fields.py) are generated from it and checked against it by
+// a test, so the two cannot drift.
+#pragma once
+
+#include "replica/train/run_config.h"
+
+#include <string>
+
+namespace replica::cli {
+
+// {"task", "command", "run": [...], "keys": [...], "twins": [...], "autotrain_only": [...]}:
+//  - run: the run's own flags the task takes (model, project_name, data_path, train_split,
+//    valid_split, log, backend; for llm-sft also the column flags), each checked with
+//    train::is_flag, with its default;
+//  - keys: every params: key of the task, in the key table's order, with its flag, group,
+//    help, kind, placeholder, switch/secret, other tools' names for it (known_as), and its
+//    default with its real JSON type (null for a secret);
+//  - twins: the params twins of data: keys (llm-sft: chat_template, text_column);
+//  - autotrain_only: AutoTrain fields `replica llm` accepts only at one value (llm-sft).
+std::string keys_json(train::Task task);
+
+}  // namespace replica::cli
