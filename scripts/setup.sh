@@ -8,6 +8,8 @@
 #    the CUDA runtime, cuDNN and NCCL that libtorch_cuda.so loads.
 # Another LibTorch (an official archive, CPU or CUDA): REPLICA_LIBTORCH=/path/to/libtorch
 # skips the wheel (README "Building against another LibTorch").
+# `scripts/setup.sh --deps-only` installs Debian's packages and stops: what `pip install .`
+# (the Python package, pyproject.toml) needs on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +26,7 @@ PACKAGES=(
   openmpi-bin                                     # mpirun tests (replica workers under mpirun)
   gnuplot-nox                                   # replica plot: training curves as PNG/SVG
   libssl-dev                                      # OpenSSL: HMAC-locked rendezvous, checkpoint SHA-256
+  openjdk-17-jre-headless                         # Spark's JVM: the Python package's tests (PySpark)
 )
 # Fuzzing is opt-in (CI does not fuzz): REPLICA_FUZZ=1 scripts/setup.sh adds clang and libFuzzer.
 if [ "${REPLICA_FUZZ:-0}" = 1 ]; then
@@ -43,6 +46,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ "${1:-}" = "--deps-only" ]; then
+  echo "setup: Debian's packages are installed (--deps-only: nothing built)"
+  exit 0
 fi
 
 CMAKE_ARGS=()

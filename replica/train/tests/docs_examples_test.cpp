@@ -167,7 +167,8 @@ void classify(const std::string& text, const std::string& where, Plan& plan) {
   }
 }
 
-// Every command of README's fenced blocks (C++ excluded) and its complete ```yaml run configs.
+// Every command of README's fenced blocks (C++ and Python excluded) and its complete ```yaml run
+// configs.
 Plan plan_readme() {
   Plan plan;
   std::istringstream in(read_file(kSource / "README.md"));
@@ -188,7 +189,7 @@ Plan plan_readme() {
       yaml.clear();
       continue;
     }
-    if (!inside || fence == "cpp") continue;
+    if (!inside || fence == "cpp" || fence == "python") continue;  // code, not command lines
     if (fence == "yaml") {
       yaml += line + "\n";
       continue;
