@@ -58,7 +58,7 @@ def _flag_text(value: Any) -> str:
     if value is None:
         return "none"
     if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
+        return "[" + ",".join(str(v) for v in value) + "]"  # a YAML list, also of one
     return str(value)
 
 

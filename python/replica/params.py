@@ -65,7 +65,8 @@ class Field:
             ok = isinstance(value, bool) or value == "auto"
         elif expected == "ints":
             if isinstance(value, str):
-                ok = all(p.strip().isdigit() for p in value.split(","))
+                ok = all(p.strip().isdigit() for p in value.strip().strip("[]").split(","))
+                value = [int(p) for p in value.strip().strip("[]").split(",")] if ok else value
             else:
                 ok = isinstance(value, (list, tuple)) and all(
                     isinstance(v, int) and not isinstance(v, bool) for v in value)
@@ -114,7 +115,8 @@ class Field:
         if isinstance(value, bool):
             return "true" if value else "false"
         if isinstance(value, (list, tuple)):
-            return ",".join(str(v) for v in value)
+            # A YAML list: the flag reads `256,128` as one too, but a single `64` as a number.
+            return "[" + ",".join(str(v) for v in value) + "]"
         if isinstance(value, float):
             return repr(value)
         return str(value)
@@ -302,7 +304,7 @@ def _parse(f: Field, text: str) -> Any:
             return text
     if kind == "ints":
         try:
-            return [int(p) for p in text.split(",")]
+            return [int(p) for p in text.strip().strip("[]").split(",")]
         except ValueError:
             return text
     if f.name in _NULLABLE and low in ("none", "null"):

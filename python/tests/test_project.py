@@ -53,7 +53,7 @@ def test_llm_demo_from_python_equals_the_cli(demo_dir, tmp_path):
 
 def test_run_handle_wait_logs_metrics(tmp_path):
     need_fashion_mnist()
-    params = replica.ImageClassificationParams(project_name=str(tmp_path / "mlp"), nproc_per_node=1,
+    params = replica.ImageClassificationParams(project_name=str(tmp_path / "mlp"), nproc_per_node=1, hidden_sizes=[64],
                                                **{**MLP_OVERRIDES, "max_steps": 5})
     run = replica.Project(params, backend="local", process=False).create()
     assert isinstance(run, replica.Run)

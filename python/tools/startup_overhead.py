@@ -85,11 +85,11 @@ def main() -> None:
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     spark_start = time.time() - t
-    import replica.spark
+    from replica import spark as replica_spark
 
-    ways["spark.run local_mode=True"] = lambda p: replica.spark.run(
+    ways["spark.run local_mode=True"] = lambda p: replica_spark.run(
         str(MLP), num_processes=2, local_mode=True, overrides={**OVERRIDES, "project_name": str(p)})
-    ways["spark.run local_mode=False"] = lambda p: replica.spark.run(
+    ways["spark.run local_mode=False"] = lambda p: replica_spark.run(
         str(MLP), num_processes=2, local_mode=False, overrides={**OVERRIDES, "project_name": str(p)})
 
     t = time.time()
@@ -97,9 +97,9 @@ def main() -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     ray_start = time.time() - t
-    import replica.ray
+    from replica import ray as replica_ray
 
-    ways["ray.run num_workers=2"] = lambda p: replica.ray.run(
+    ways["ray.run num_workers=2"] = lambda p: replica_ray.run(
         str(MLP), num_workers=2, overrides={**OVERRIDES, "project_name": str(p)})
 
     results = {name: [] for name in ways}
