@@ -112,7 +112,11 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
   torch::NoGradGuard no_grad;
   for (const auto& path : files) {
     auto file = io::load_safetensors(path);
-    for (const auto& [name, tensor] : file.tensors) {
+    for (const auto& [stored_name, tensor] : file.tensors) {
+      // A gemma3 checkpoint: the text model's weights under Gemma3ForCausalLM's names; the
+      // vision tower and projector are not loaded (decoder_family.h: text_parameter_name).
+      const std::string name = text_parameter_name(stored_name, model->config().wrapper_model_type);
+      if (name.empty()) continue;
       if (ends_with(name, "rotary_emb.inv_freq")) continue;    // old checkpoints saved this buffer
       if (tied && name == "lm_head.weight") continue;          // the embedding is the head
       auto it = params.find(name);
@@ -196,8 +200,9 @@ void save_hf_model_dir(const LlamaForCausalLM& model, const std::string& out_dir
   bool copied_config = false;
   if (!source_dir.empty() && fs::exists(fs::path(source_dir) / "config.json")) {
     const auto source_config = read_llama_config_file((fs::path(source_dir) / "config.json").string());
-    if (source_config.torch_dtype == dtype_name ||
-        (source_config.torch_dtype == "float" && dtype_name == "float32")) {
+    // A gemma3 source: its text model's config (the weights saved are the text model's).
+    if (source_config.wrapper_model_type.empty() && (source_config.torch_dtype == dtype_name ||
+        (source_config.torch_dtype == "float" && dtype_name == "float32"))) {
       copy_file_atomically((fs::path(source_dir) / "config.json").string(), (out / "config.json").string());
       copied_config = true;
     } else {

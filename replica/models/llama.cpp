@@ -1,10 +1,14 @@
-// The Llama family, layer by layer. Every step follows Hugging Face transformers' eager code
-// path (modeling_llama.py / modeling_qwen2.py / modeling_qwen3.py / modeling_mistral.py) so
-// that the same weights give the same numbers; comments name the HF function mirrored.
+// The Llama family, layer by layer. Every step follows Hugging Face transformers' code
+// (modeling_llama.py, modeling_qwen2.py, modeling_qwen3.py, modeling_mistral.py,
+// modeling_olmo2.py, modeling_olmo3.py, modeling_gemma3.py) so that the same weights give the
+// same numbers; comments name the HF function mirrored. What differs between the families is
+// the switches of decoder_family.h.
 #include "replica/models/llama.h"
 
 #include "replica/core/error.h"
+#include "replica/models/config_json.h"
 #include "replica/models/recompute.h"
+#include "replica/models/rope_yarn.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -20,61 +24,7 @@ namespace {
 
 using json = nlohmann::json;
 
-// ---------------------------------------------------------------------------------------
-// config.json parsing helpers: absent and null are the same ("use the default"); a value of
-// the wrong type is an error naming the file and the field.
-
-const json* field(const json& j, const char* key) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-int64_t as_int(const json& v, const char* key, const std::string& src) {
-  if (v.is_number_integer() || v.is_number_unsigned()) return v.get<int64_t>();
-  if (v.is_number_float()) {
-    double d = v.get<double>();
-    if (std::floor(d) == d && std::fabs(d) < 9e15) return static_cast<int64_t>(d);
-  }
-  fail("{}: {} must be an integer, got {}", src, key, v.dump());
-}
-
-double as_number(const json& v, const char* key, const std::string& src) {
-  if (!v.is_number()) fail("{}: {} must be a number, got {}", src, key, v.dump());
-  return v.get<double>();
-}
-
-int64_t required_int(const json& j, const char* key, const std::string& src) {
-  const json* v = field(j, key);
-  if (!v) fail("{}: required field {} is missing", src, key);
-  int64_t value = as_int(*v, key, src);
-  if (value < 1) fail("{}: {} must be at least 1, got {}", src, key, value);
-  return value;
-}
-
-int64_t optional_int(const json& j, const char* key, const std::string& src, int64_t def) {
-  const json* v = field(j, key);
-  return v ? as_int(*v, key, src) : def;
-}
-
-double optional_number(const json& j, const char* key, const std::string& src, double def) {
-  const json* v = field(j, key);
-  return v ? as_number(*v, key, src) : def;
-}
-
-bool optional_bool(const json& j, const char* key, const std::string& src, bool def) {
-  const json* v = field(j, key);
-  if (!v) return def;
-  if (!v->is_boolean()) fail("{}: {} must be true or false, got {}", src, key, v->dump());
-  return v->get<bool>();
-}
-
-std::optional<std::string> optional_string(const json& j, const char* key, const std::string& src) {
-  const json* v = field(j, key);
-  if (!v) return std::nullopt;
-  if (!v->is_string()) fail("{}: {} must be a string, got {}", src, key, v->dump());
-  return v->get<std::string>();
-}
+using namespace config_json;
 
 std::optional<int64_t> optional_token_id(const json& j, const char* key, const std::string& src) {
   const json* v = field(j, key);
@@ -82,26 +32,44 @@ std::optional<int64_t> optional_token_id(const json& j, const char* key, const s
   return as_int(*v, key, src);
 }
 
-// rope_scaling / rope_parameters: {"rope_type" (or "type"): "llama3", "factor": ...}.
-std::optional<RopeScaling> parse_rope_scaling(const json& r, const char* key, const std::string& src) {
+// rope_scaling / rope_parameters: {"rope_type" (or "type"): "llama3" | "linear" | "yarn", ...}.
+std::optional<RopeScaling> parse_rope_scaling(const json& r, const char* key, const std::string& src,
+                                              int64_t max_position_embeddings) {
   if (!r.is_object()) fail("{}: {} must be an object or null, got {}", src, key, r.dump());
   auto type = optional_string(r, "rope_type", src);
   if (!type) type = optional_string(r, "type", src);
   if (!type || *type == "default") return std::nullopt;
-  if (*type != "llama3") {
-    fail("{}: {} type '{}' is not supported (supported: llama3, default)", src, key, *type);
+  if (*type != "llama3" && *type != "linear" && *type != "yarn") {
+    fail("{}: {} type '{}' is not supported (supported: llama3, linear, yarn, default)", src, key, *type);
   }
   RopeScaling s;
   s.rope_type = *type;
-  for (const char* name : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
+  if (!field(r, "factor")) fail("{}: {} of type {} needs factor", src, key, *type);
+  s.factor = as_number(r["factor"], "rope_scaling.factor", src);
+  if (s.factor <= 0) fail("{}: {}.factor must be positive, got {}", src, key, s.factor);
+  if (*type == "linear") return s;
+  if (*type == "yarn") {
+    // _compute_yarn_parameters: original_max_position_embeddings falls back to the model's.
+    s.original_max_position_embeddings =
+        optional_int(r, "original_max_position_embeddings", src, max_position_embeddings);
+    s.attention_factor = optional_number(r, "attention_factor", src);
+    s.beta_fast = optional_number(r, "beta_fast", src, 32.0);
+    s.beta_slow = optional_number(r, "beta_slow", src, 1.0);
+    s.mscale = optional_number(r, "mscale", src);
+    s.mscale_all_dim = optional_number(r, "mscale_all_dim", src);
+    s.truncate = optional_bool(r, "truncate", src, true);
+    if (s.original_max_position_embeddings < 1) {
+      fail("{}: {}.original_max_position_embeddings must be at least 1", src, key);
+    }
+    return s;
+  }
+  for (const char* name : {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
     if (!field(r, name)) fail("{}: {} of type llama3 needs {}", src, key, name);
   }
-  s.factor = as_number(r["factor"], "rope_scaling.factor", src);
   s.low_freq_factor = as_number(r["low_freq_factor"], "rope_scaling.low_freq_factor", src);
   s.high_freq_factor = as_number(r["high_freq_factor"], "rope_scaling.high_freq_factor", src);
   s.original_max_position_embeddings =
       as_int(r["original_max_position_embeddings"], "rope_scaling.original_max_position_embeddings", src);
-  if (s.factor <= 0) fail("{}: {}.factor must be positive, got {}", src, key, s.factor);
   if (!(s.high_freq_factor > s.low_freq_factor) || s.low_freq_factor <= 0) {
     fail("{}: {} needs 0 < low_freq_factor < high_freq_factor, got {} and {}", src, key,
          s.low_freq_factor, s.high_freq_factor);
@@ -110,13 +78,6 @@ std::optional<RopeScaling> parse_rope_scaling(const json& r, const char* key, co
     fail("{}: {}.original_max_position_embeddings must be at least 1", src, key);
   }
   return s;
-}
-
-const char* architecture_name(const std::string& model_type) {
-  if (model_type == "llama") return "LlamaForCausalLM";
-  if (model_type == "mistral") return "MistralForCausalLM";
-  if (model_type == "qwen2") return "Qwen2ForCausalLM";
-  return "Qwen3ForCausalLM";
 }
 
 // HF's rotate_half: split the last dimension in two halves (x1, x2) -> (-x2, x1).
@@ -166,24 +127,22 @@ std::string dtype_to_string(torch::ScalarType dtype) {
 }
 
 LlamaConfig parse_llama_config(const std::string& json_text, const std::string& source) {
-  json j;
+  json file_json;
   try {
-    j = json::parse(json_text);
+    file_json = json::parse(json_text);
   } catch (const json::parse_error& e) {
     fail("{}: not valid JSON: {}", source, e.what());
   }
-  if (!j.is_object()) fail("{}: not a JSON object", source);
+  if (!file_json.is_object()) fail("{}: not a JSON object", source);
 
   LlamaConfig c;
-  c.json_text = json_text;
+  // A gemma3 (multimodal) config: its text model's config (decoder_family.h).
+  const json j = text_model_config(file_json, &c.wrapper_model_type);
+  c.json_text = c.wrapper_model_type.empty() ? json_text : j.dump(2) + "\n";
   auto model_type = optional_string(j, "model_type", source);
-  if (!model_type) fail("{}: model_type is missing (supported: llama, mistral, qwen2, qwen3)", source);
+  if (!model_type) fail("{}: model_type is missing (supported: {})", source, supported_model_types());
   c.model_type = *model_type;
-  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" &&
-      c.model_type != "qwen3") {
-    fail("{}: model_type '{}' is not supported (supported: llama, mistral, qwen2, qwen3)", source,
-         c.model_type);
-  }
+  family_spec(c.model_type, source);  // an unsupported model_type is an error naming the supported ones
   if (const json* arch = field(j, "architectures")) {
     if (!arch->is_array()) fail("{}: architectures must be a list, got {}", source, arch->dump());
     for (const auto& a : *arch) {
@@ -203,20 +162,28 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
     fail("{}: partial_rotary_factor {} is not supported (only 1.0)", source,
          optional_number(j, "partial_rotary_factor", source, 1.0));
   }
-
-  c.vocab_size = required_int(j, "vocab_size", source);
-  c.hidden_size = required_int(j, "hidden_size", source);
-  c.intermediate_size = required_int(j, "intermediate_size", source);
-  c.num_hidden_layers = required_int(j, "num_hidden_layers", source);
-  c.num_attention_heads = required_int(j, "num_attention_heads", source);
+  const bool gemma = c.model_type == "gemma3_text";
+  const bool olmo = c.model_type == "olmo2" || c.model_type == "olmo3";
+  // Sizes: required, except where the config class has defaults that save_pretrained may
+  // leave out (Gemma 3's text_config of a multimodal checkpoint lists only what differs).
+  auto size = [&](const char* key, int64_t gemma_default) {
+    if (gemma && !field(j, key)) return gemma_default;
+    return required_int(j, key, source);
+  };
+  c.vocab_size = size("vocab_size", 262208);
+  c.hidden_size = size("hidden_size", 2304);
+  c.intermediate_size = size("intermediate_size", 9216);
+  c.num_hidden_layers = size("num_hidden_layers", 26);
+  c.num_attention_heads = size("num_attention_heads", 8);
   c.num_key_value_heads = field(j, "num_key_value_heads") ? required_int(j, "num_key_value_heads", source)
-                                                           : c.num_attention_heads;
+                          : gemma                         ? 4
+                                                          : c.num_attention_heads;
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     fail("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", source,
          c.num_attention_heads, c.num_key_value_heads);
   }
-  if (field(j, "head_dim")) {
-    c.head_dim = required_int(j, "head_dim", source);
+  if (field(j, "head_dim") || gemma) {
+    c.head_dim = gemma && !field(j, "head_dim") ? 256 : required_int(j, "head_dim", source);
   } else {
     if (c.hidden_size % c.num_attention_heads != 0) {
       fail("{}: hidden_size {} is not a multiple of num_attention_heads {} (and head_dim is not given)",
@@ -226,21 +193,19 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   }
   if (c.head_dim % 2 != 0) fail("{}: head_dim {} must be even (rotary embeddings)", source, c.head_dim);
 
-  for (const char* key : {"hidden_act", "hidden_activation"}) {
-    if (auto act = optional_string(j, key, source); act && *act != "silu") {
-      fail("{}: {} '{}' is not supported (only silu)", source, key, *act);
-    }
+  c.rms_norm_eps = optional_number(j, "rms_norm_eps", source, olmo ? 1e-5 : 1e-6);
+  c.rope_theta = optional_number(j, "rope_theta", source, gemma ? 1e6 : 10000.0);
+  c.max_position_embeddings = optional_int(j, "max_position_embeddings", source, gemma ? 131072 : 2048);
+  if (const json* r = field(j, "rope_scaling")) {
+    c.rope_scaling = parse_rope_scaling(*r, "rope_scaling", source, c.max_position_embeddings);
   }
-  c.rms_norm_eps = optional_number(j, "rms_norm_eps", source, 1e-6);
-  c.rope_theta = optional_number(j, "rope_theta", source, 10000.0);
-  if (const json* r = field(j, "rope_scaling")) c.rope_scaling = parse_rope_scaling(*r, "rope_scaling", source);
   if (const json* r = field(j, "rope_parameters")) {  // transformers v5 spelling
-    c.rope_scaling = parse_rope_scaling(*r, "rope_parameters", source);
+    c.rope_scaling = parse_rope_scaling(*r, "rope_parameters", source, c.max_position_embeddings);
     c.rope_theta = optional_number(*r, "rope_theta", source, c.rope_theta);
   }
   if (c.rope_theta <= 0) fail("{}: rope_theta must be positive, got {}", source, c.rope_theta);
-  c.max_position_embeddings = optional_int(j, "max_position_embeddings", source, 2048);
-  c.tie_word_embeddings = optional_bool(j, "tie_word_embeddings", source, false);
+  // Gemma3TextConfig ties by default (and save_pretrained then leaves the field out).
+  c.tie_word_embeddings = optional_bool(j, "tie_word_embeddings", source, gemma);
   c.attention_dropout = optional_number(j, "attention_dropout", source, 0.0);
   if (c.attention_dropout < 0 || c.attention_dropout >= 1) {
     fail("{}: attention_dropout must be in [0, 1), got {}", source, c.attention_dropout);
@@ -254,35 +219,12 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
     c.mlp_bias = mlp_bias;
   } else if (c.model_type == "qwen3") {
     c.qkv_bias = c.o_bias = attention_bias;
-    c.qk_norm = true;
   } else if (c.model_type == "qwen2") {
     c.qkv_bias = true;  // Qwen2Attention: q/k/v always biased, o_proj never
   }
   if (c.model_type != "llama" && mlp_bias) fail("{}: mlp_bias true is not supported for {}", source, c.model_type);
   if ((c.model_type == "mistral" || c.model_type == "qwen2") && attention_bias) {
     fail("{}: attention_bias true is not supported for {}", source, c.model_type);
-  }
-
-  // Sliding-window attention: Mistral applies sliding_window whenever it is set; Qwen2/3 only
-  // with use_sliding_window. replica accepts it and checks each sequence fits the window.
-  bool window_in_effect = c.model_type == "mistral" ||
-      ((c.model_type == "qwen2" || c.model_type == "qwen3") && optional_bool(j, "use_sliding_window", source, false));
-  if (const json* types = field(j, "layer_types")) {  // newer configs list each layer's kind
-    if (!types->is_array()) fail("{}: layer_types must be a list, got {}", source, types->dump());
-    for (const auto& t : *types) {
-      if (!t.is_string()) fail("{}: layer_types must list strings, got {}", source, t.dump());
-      const std::string kind = t.get<std::string>();
-      if (kind == "sliding_attention") {
-        window_in_effect = true;
-      } else if (kind != "full_attention") {
-        fail("{}: layer_types entry '{}' is not supported (full_attention, sliding_attention)", source, kind);
-      }
-    }
-  }
-  if (window_in_effect && field(j, "sliding_window")) {
-    int64_t w = as_int(j["sliding_window"], "sliding_window", source);
-    if (w < 1) fail("{}: sliding_window must be at least 1 or null, got {}", source, w);
-    c.sliding_window = w;
   }
 
   std::optional<std::string> dtype = optional_string(j, "torch_dtype", source);
@@ -292,18 +234,31 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
     c.torch_dtype = *dtype;
   }
 
-  c.bos_token_id = optional_token_id(j, "bos_token_id", source);
-  c.pad_token_id = optional_token_id(j, "pad_token_id", source);
+  // Token ids; the Olmo and Gemma 3 config classes have defaults for them (an absent field is
+  // the default there, as transformers reads it).
+  std::optional<int64_t> default_pad, default_bos;
+  std::optional<int64_t> default_eos;
+  if (olmo) default_pad = 1, default_eos = 50279;
+  if (gemma) default_pad = 0, default_eos = 1, default_bos = 2;
+  auto token_id = [&](const char* key, std::optional<int64_t> def) {
+    return j.contains(key) ? optional_token_id(j, key, source) : def;
+  };
+  c.bos_token_id = token_id("bos_token_id", default_bos);
+  c.pad_token_id = token_id("pad_token_id", default_pad);
   if (const json* eos = field(j, "eos_token_id")) {
     if (eos->is_array()) {
       for (const auto& e : *eos) c.eos_token_ids.push_back(as_int(e, "eos_token_id", source));
     } else {
       c.eos_token_ids.push_back(as_int(*eos, "eos_token_id", source));
     }
+  } else if (!j.contains("eos_token_id") && default_eos) {
+    c.eos_token_ids.push_back(*default_eos);
   }
   if (c.pad_token_id && (*c.pad_token_id < 0 || *c.pad_token_id >= c.vocab_size)) {
     c.pad_token_id.reset();  // HF would fail in nn.Embedding; an out-of-range pad just means "none"
   }
+  // Norms, q/k norms, activation, sliding-window layers, Gemma 3's extras (decoder_family.cpp).
+  parse_family_fields(j, source, c);
   return c;
 }
 
@@ -315,13 +270,9 @@ LlamaConfig read_llama_config_file(const std::string& path) {
   return parse_llama_config(buffer.str(), path);
 }
 
-void LlamaConfig::check_sequence_length(int64_t length) const {
-  if (sliding_window && length > *sliding_window) {
-    fail("sliding_window {} (config.json of this {} model) is shorter than the sequence of {} tokens; "
-         "replica has no sliding-window attention, so sequences must fit in the window "
-         "(lower model_max_length/block_size to at most {})",
-         *sliding_window, model_type, length, *sliding_window);
-  }
+double LlamaConfig::attention_scale() const {
+  // LlamaAttention: head_dim**-0.5; Gemma3Attention: query_pre_attn_scalar**-0.5.
+  return std::pow(query_pre_attn_scalar ? *query_pre_attn_scalar : static_cast<double>(head_dim), -0.5);
 }
 
 std::string LlamaConfig::to_json_string() const {
@@ -336,7 +287,7 @@ std::string LlamaConfig::to_json_string() const {
     return j.dump(2) + "\n";
   }
   // A fresh config in the layout transformers' save_pretrained writes (sorted keys).
-  j["architectures"] = json::array({architecture_name(model_type)});
+  j["architectures"] = json::array({family_spec(model_type, "config").architecture});
   j["model_type"] = model_type;
   j["attention_dropout"] = attention_dropout;
   j["bos_token_id"] = bos_token_id ? json(*bos_token_id) : json(nullptr);
@@ -347,9 +298,10 @@ std::string LlamaConfig::to_json_string() const {
   } else {
     j["eos_token_id"] = eos_token_ids;
   }
-  if (pad_token_id) j["pad_token_id"] = *pad_token_id;
+  j["pad_token_id"] = pad_token_id ? json(*pad_token_id) : json(nullptr);
   j["head_dim"] = head_dim;
-  j["hidden_act"] = "silu";
+  const char* act = activation == Activation::kSilu ? "silu" : "gelu_pytorch_tanh";
+  j[model_type == "gemma3_text" ? "hidden_activation" : "hidden_act"] = act;
   j["hidden_size"] = hidden_size;
   j["initializer_range"] = initializer_range;
   j["intermediate_size"] = intermediate_size;
@@ -358,30 +310,56 @@ std::string LlamaConfig::to_json_string() const {
   j["num_hidden_layers"] = num_hidden_layers;
   j["num_key_value_heads"] = num_key_value_heads;
   j["rms_norm_eps"] = rms_norm_eps;
-  if (rope_scaling) {
+  if (!rope_scaling) {
+    j["rope_scaling"] = nullptr;
+  } else if (rope_scaling->rope_type == "llama3") {
     j["rope_scaling"] = {{"rope_type", rope_scaling->rope_type},
                          {"factor", rope_scaling->factor},
                          {"low_freq_factor", rope_scaling->low_freq_factor},
                          {"high_freq_factor", rope_scaling->high_freq_factor},
                          {"original_max_position_embeddings", rope_scaling->original_max_position_embeddings}};
+  } else if (rope_scaling->rope_type == "linear") {
+    j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope_scaling->factor}};
   } else {
-    j["rope_scaling"] = nullptr;
+    const RopeScaling& r = *rope_scaling;
+    j["rope_scaling"] = {{"rope_type", r.rope_type}, {"factor", r.factor},
+                         {"original_max_position_embeddings", r.original_max_position_embeddings},
+                         {"beta_fast", r.beta_fast}, {"beta_slow", r.beta_slow}, {"truncate", r.truncate}};
+    if (r.attention_factor) j["rope_scaling"]["attention_factor"] = *r.attention_factor;
+    if (r.mscale) j["rope_scaling"]["mscale"] = *r.mscale;
+    if (r.mscale_all_dim) j["rope_scaling"]["mscale_all_dim"] = *r.mscale_all_dim;
   }
   j["rope_theta"] = rope_theta;
   j["tie_word_embeddings"] = tie_word_embeddings;
   j["torch_dtype"] = torch_dtype;
   j["use_cache"] = true;
   j["vocab_size"] = vocab_size;
-  if (model_type == "llama" || model_type == "qwen3") j["attention_bias"] = o_bias;
+  if (model_type != "mistral" && model_type != "qwen2") j["attention_bias"] = o_bias;
   if (model_type == "llama") {
     j["mlp_bias"] = mlp_bias;
     j["pretraining_tp"] = 1;
+  }
+  json layer_types = json::array();
+  for (int64_t i = 0; i < num_hidden_layers; ++i) {
+    layer_types.push_back(layer_slides(i) ? "sliding_attention" : "full_attention");
   }
   if (model_type == "mistral") j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
   if (model_type == "qwen2" || model_type == "qwen3") {
     j["use_sliding_window"] = sliding_window.has_value();
     j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
     j["max_window_layers"] = num_hidden_layers;
+    j["layer_types"] = layer_types;
+  }
+  if (model_type == "olmo3" || model_type == "gemma3_text") {
+    j["sliding_window"] = sliding_window.value_or(4096);
+    j["layer_types"] = layer_types;
+  }
+  if (model_type == "gemma3_text") {
+    j["query_pre_attn_scalar"] = query_pre_attn_scalar.value_or(static_cast<double>(head_dim));
+    j["rope_local_base_freq"] = local_rope_theta.value_or(10000.0);
+    j["final_logit_softcapping"] = final_logit_softcapping ? json(*final_logit_softcapping) : json(nullptr);
+    j["attn_logit_softcapping"] = nullptr;
+    j["use_bidirectional_attention"] = false;
   }
   return j.dump(2) + "\n";
 }
@@ -390,76 +368,136 @@ std::string LlamaConfig::to_json_string() const {
 // Layers
 
 EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding_idx,
-                             torch::ScalarType dtype) {
+                             torch::ScalarType dtype, std::optional<double> scale)
+    : scale_(scale) {
   weight = register_parameter("weight", torch::empty({num_embeddings, dim}, torch::dtype(dtype)));
   padding_idx_ = padding_idx.value_or(-1);
 }
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
   // F.embedding(ids, weight, padding_idx): a row lookup; the pad row's gradient is dropped.
-  return torch::embedding(weight, ids, padding_idx_);
+  auto out = torch::embedding(weight, ids, padding_idx_);
+  if (!scale_) return out;
+  // Gemma3TextScaledWordEmbedding: embed_scale (an fp32 tensor of sqrt(hidden_size)) cast to
+  // the weight's dtype, times the rows.
+  auto scale = torch::scalar_tensor(static_cast<float>(*scale_), out.options().dtype(torch::kFloat32));
+  return out * scale.to(weight.scalar_type());
 }
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype) : eps_(eps) {
-  weight = register_parameter("weight", torch::ones({dim}, torch::dtype(dtype)));
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype, NormStyle style)
+    : eps_(eps), style_(style) {
+  // Gemma3RMSNorm's weight is the offset from one (initialised to zero).
+  weight = register_parameter("weight", style == NormStyle::kOnePlusWeight ? torch::zeros({dim}, torch::dtype(dtype))
+                                                                           : torch::ones({dim}, torch::dtype(dtype)));
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // LlamaRMSNorm.forward: normalise in fp32, cast back, then scale by the weight.
+  // Normalise in fp32, then apply the weight where the family's RMSNorm does.
   const auto input_dtype = x.scalar_type();
   auto h = x.to(torch::kFloat32);
   auto variance = h.pow(2).mean(-1, /*keepdim=*/true);
   h = h * torch::rsqrt(variance + eps_);
-  return weight * h.to(input_dtype);
+  switch (style_) {
+    case NormStyle::kWeightAfterCast:  // LlamaRMSNorm: weight * hidden.to(input_dtype)
+      return weight * h.to(input_dtype);
+    case NormStyle::kWeightBeforeCast:  // Olmo2RMSNorm: (weight * hidden).to(input_dtype)
+      return (weight * h).to(input_dtype);
+    case NormStyle::kOnePlusWeight:  // Gemma3RMSNorm: (hidden * (1 + weight.float())).type_as(x)
+      return (h * (1.0 + weight.to(torch::kFloat32))).to(input_dtype);
+  }
+  return h;
 }
+
+namespace {
+
+// _compute_default_rope_parameters: inv_freq[i] = 1 / theta^(2i / dim), in fp32.
+torch::Tensor default_inv_freq(int64_t dim, double theta) {
+  auto exponent = torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / dim;
+  return torch::reciprocal(torch::pow(torch::scalar_tensor(theta, torch::kFloat32), exponent));
+}
+
+// _compute_llama3_parameters: keep high frequencies (wavelength < original context /
+// high_freq_factor), divide low frequencies (wavelength > original context / low_freq_factor)
+// by factor, and interpolate smoothly in between.
+torch::Tensor llama3_inv_freq(const torch::Tensor& inv_freq, const RopeScaling& s) {
+  const double old_context_len = static_cast<double>(s.original_max_position_embeddings);
+  const double low_freq_wavelen = old_context_len / s.low_freq_factor;
+  const double high_freq_wavelen = old_context_len / s.high_freq_factor;
+  auto wavelen = torch::reciprocal(inv_freq) * (2 * M_PI);
+  auto inv_freq_llama = torch::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+  auto smooth_factor = (torch::reciprocal(wavelen) * old_context_len - s.low_freq_factor) /
+                       (s.high_freq_factor - s.low_freq_factor);
+  auto smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / s.factor + smooth_factor * inv_freq_llama;
+  auto is_medium_freq = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+  return torch::where(is_medium_freq, smoothed_inv_freq, inv_freq_llama);
+}
+
+}  // namespace
 
 RotaryEmbedding::RotaryEmbedding(const LlamaConfig& config) {
-  // _compute_default_rope_parameters: inv_freq[i] = 1 / theta^(2i / dim), in fp32.
   const int64_t dim = config.head_dim;
-  auto exponent = torch::arange(0, dim, 2, torch::kInt64).to(torch::kFloat32) / dim;
-  inv_freq_ = torch::reciprocal(torch::pow(torch::scalar_tensor(config.rope_theta, torch::kFloat32), exponent));
-
-  if (config.rope_scaling) {
-    // _compute_llama3_parameters: keep high frequencies (wavelength < original context /
-    // high_freq_factor), divide low frequencies (wavelength > original context /
-    // low_freq_factor) by factor, and interpolate smoothly in between.
-    const RopeScaling& s = *config.rope_scaling;
-    const double old_context_len = static_cast<double>(s.original_max_position_embeddings);
-    const double low_freq_wavelen = old_context_len / s.low_freq_factor;
-    const double high_freq_wavelen = old_context_len / s.high_freq_factor;
-    auto wavelen = torch::reciprocal(inv_freq_) * (2 * M_PI);
-    auto inv_freq_llama = torch::where(wavelen > low_freq_wavelen, inv_freq_ / s.factor, inv_freq_);
-    auto smooth_factor = (torch::reciprocal(wavelen) * old_context_len - s.low_freq_factor) /
-                         (s.high_freq_factor - s.low_freq_factor);
-    auto smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / s.factor + smooth_factor * inv_freq_llama;
-    auto is_medium_freq = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
-    inv_freq_ = torch::where(is_medium_freq, smoothed_inv_freq, inv_freq_llama);
+  if (!config.rope_scaling) {
+    inv_freq_ = default_inv_freq(dim, config.rope_theta);
+  } else if (config.rope_scaling->rope_type == "llama3") {
+    inv_freq_ = llama3_inv_freq(default_inv_freq(dim, config.rope_theta), *config.rope_scaling);
+  } else if (config.rope_scaling->rope_type == "linear") {
+    // _compute_linear_scaling_rope_parameters: the default frequencies divided by factor.
+    inv_freq_ = default_inv_freq(dim, config.rope_theta) / config.rope_scaling->factor;
+  } else {
+    // _compute_yarn_parameters (models/rope_yarn.h), with its attention factor on cos/sin.
+    const RopeScaling& r = *config.rope_scaling;
+    YarnScaling yarn;
+    yarn.factor = r.factor;
+    yarn.beta_fast = r.beta_fast;
+    yarn.beta_slow = r.beta_slow;
+    yarn.attention_factor = r.attention_factor;
+    yarn.mscale = r.mscale;
+    yarn.mscale_all_dim = r.mscale_all_dim;
+    yarn.original_max_position_embeddings = r.original_max_position_embeddings;
+    yarn.truncate = r.truncate;
+    std::tie(inv_freq_, attention_scaling_) = yarn_inv_freq(yarn, config.rope_theta, dim, config.max_position_embeddings);
   }
 }
+
+RotaryEmbedding::RotaryEmbedding(const LlamaConfig& config, double theta)
+    : inv_freq_(default_inv_freq(config.head_dim, theta)) {}
 
 std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::forward(const torch::Tensor& position_ids,
                                                                  torch::ScalarType dtype) {
   // LlamaRotaryEmbedding.forward: angles = position * inv_freq in fp32, duplicated across the
-  // two halves of head_dim (the rotate_half layout), then cos/sin cast to the compute dtype.
+  // two halves of head_dim (the rotate_half layout), then cos/sin (times attention_scaling)
+  // cast to the compute dtype.
   if (inv_freq_.device() != position_ids.device()) inv_freq_ = inv_freq_.to(position_ids.device());
   auto freqs = position_ids.to(torch::kFloat32).unsqueeze(-1) * inv_freq_;  // [B, T, D/2]
   auto emb = torch::cat({freqs, freqs}, -1);                                 // [B, T, D]
-  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  auto cos = emb.cos(), sin = emb.sin();
+  if (attention_scaling_ != 1.0) {
+    cos = cos * attention_scaling_;
+    sin = sin * attention_scaling_;
+  }
+  return {cos.to(dtype), sin.to(dtype)};
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init)
     : num_heads_(c.num_attention_heads),
       num_kv_heads_(c.num_key_value_heads),
       head_dim_(c.head_dim),
-      attention_dropout_(c.attention_dropout) {
+      attention_dropout_(c.attention_dropout),
+      scaling_(c.attention_scale()),
+      qk_norm_(c.qk_norm),
+      rope_in_fp32_(c.rope_in_fp32) {
   const double std = c.initializer_range;
   q_proj = register_module("q_proj", LoraLinear(c.hidden_size, num_heads_ * head_dim_, c.qkv_bias, dtype, init, std));
   k_proj = register_module("k_proj", LoraLinear(c.hidden_size, num_kv_heads_ * head_dim_, c.qkv_bias, dtype, init, std));
   v_proj = register_module("v_proj", LoraLinear(c.hidden_size, num_kv_heads_ * head_dim_, c.qkv_bias, dtype, init, std));
   o_proj = register_module("o_proj", LoraLinear(num_heads_ * head_dim_, c.hidden_size, c.o_bias, dtype, init, std));
-  if (c.qk_norm) {
-    q_norm = register_module("q_norm", RMSNorm(head_dim_, c.rms_norm_eps, dtype));
-    k_norm = register_module("k_norm", RMSNorm(head_dim_, c.rms_norm_eps, dtype));
+  if (qk_norm_ != QkNorm::kNone) {
+    // Per head (Qwen3, Gemma 3): [head_dim]; over the whole projection (Olmo): [heads * head_dim].
+    const bool whole = qk_norm_ == QkNorm::kWholeProjection;
+    q_norm = register_module("q_norm", RMSNorm(whole ? num_heads_ * head_dim_ : head_dim_, c.rms_norm_eps, dtype,
+                                               c.norm_style));
+    k_norm = register_module("k_norm", RMSNorm(whole ? num_kv_heads_ * head_dim_ : head_dim_, c.rms_norm_eps, dtype,
+                                               c.norm_style));
   }
 }
 
@@ -473,38 +511,54 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, torch::ScalarType d
 // the result equals eager's within float rounding (1e-6 on the model tests) and in bf16 it
 // equals transformers' own sdpa path (the eager path rounds the probabilities to bf16 before
 // multiplying by v; the two differ by about one bf16 ulp of a logit). Plain causal attention
-// passes no mask (is_causal); packed sequences pass their [B, 1, T, T] bool mask. On the LLM
+// passes no mask (is_causal); packed sequences and sliding-window layers pass their
+// [B, 1, T, T] bool mask (as transformers' sdpa path does for a sliding window). On the LLM
 // step benchmark (bench/llama_step, 5 layers, 4 x 256 tokens, one CPU thread) it takes about
 // 14 ms per layer less than the three-step path, forward and backward.
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                           const torch::Tensor& sin, const torch::Tensor& allowed) {
   const int64_t B = x.size(0), T = x.size(1);
-  // Project to per-head queries, keys and values: [B, T, heads, D].
-  auto q = q_proj(x).view({B, T, num_heads_, head_dim_});
-  auto k = k_proj(x).view({B, T, num_kv_heads_, head_dim_});
-  auto v = v_proj(x).view({B, T, num_kv_heads_, head_dim_});
-  // Qwen3: RMSNorm over each head's vector, before rotary.
-  if (!q_norm.is_empty()) {
+  auto q = q_proj(x);
+  auto k = k_proj(x);
+  // Olmo 2/3: RMSNorm over the whole projection, before it is split into heads.
+  if (qk_norm_ == QkNorm::kWholeProjection) {
     q = q_norm(q);
     k = k_norm(k);
   }
-  // [B, heads, T, D], then rotate q and k by their positions.
-  q = apply_rotary(q.transpose(1, 2), cos, sin);
-  k = apply_rotary(k.transpose(1, 2), cos, sin);
+  // Per-head queries, keys and values: [B, T, heads, D].
+  q = q.view({B, T, num_heads_, head_dim_});
+  k = k.view({B, T, num_kv_heads_, head_dim_});
+  auto v = v_proj(x).view({B, T, num_kv_heads_, head_dim_});
+  // Qwen3, Gemma 3: RMSNorm over each head's vector, before rotary.
+  if (qk_norm_ == QkNorm::kPerHead) {
+    q = q_norm(q);
+    k = k_norm(k);
+  }
+  // [B, heads, T, D], then rotate q and k by their positions. Olmo's apply_rotary_pos_emb
+  // rotates in fp32 (its cos/sin stay fp32) and casts back to q's and k's dtype.
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
+  if (rope_in_fp32_ && q.scalar_type() != cos.scalar_type()) {
+    const auto qt = q.scalar_type(), kt = k.scalar_type();
+    q = apply_rotary(q.to(cos.scalar_type()), cos, sin).to(qt);
+    k = apply_rotary(k.to(cos.scalar_type()), cos, sin).to(kt);
+  } else {
+    q = apply_rotary(q, cos, sin);
+    k = apply_rotary(k, cos, sin);
+  }
   v = v.transpose(1, 2);
-  // softmax(q k^T / sqrt(D), masked) v through ATen's fused attention; see Note [attention
+  // softmax(q k^T * scale, masked) v through ATen's fused attention; see Note [attention
   // kernel]. Grouped-query attention: each key/value head serves num_heads / num_kv_heads
   // query heads (enable_gqa, HF's repeat_kv without the copies).
-  const double scaling = std::pow(static_cast<double>(head_dim_), -0.5);
   const double dropout = attention_dropout_ > 0 && is_training() ? attention_dropout_ : 0.0;
   const bool causal = !allowed.defined();
   auto out = at::scaled_dot_product_attention(q, k, v, causal ? std::optional<at::Tensor>() : allowed, dropout,
-                                              causal, scaling, /*enable_gqa=*/num_heads_ != num_kv_heads_);
+                                              causal, scaling_, /*enable_gqa=*/num_heads_ != num_kv_heads_);
   out = out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_});
   return o_proj(out);
 }
 
-LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init) {
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init) : activation_(c.activation) {
   const double std = c.initializer_range;
   gate_proj = register_module("gate_proj", LoraLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, init, std));
   up_proj = register_module("up_proj", LoraLinear(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype, init, std));
@@ -512,30 +566,56 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, torch::ScalarType dtype, bool i
 }
 
 torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
-  // SwiGLU: the SiLU-gated branch times the linear branch, projected back to hidden_size.
-  return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+  // The activated gate branch times the linear branch, projected back to hidden_size: SwiGLU,
+  // or Gemma's GELU (tanh approximation, ACT2FN["gelu_pytorch_tanh"]).
+  auto gate = gate_proj(x);
+  gate = activation_ == Activation::kSilu ? torch::silu(gate) : torch::gelu(gate, "tanh");
+  return down_proj(gate * up_proj(x));
 }
 
-LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init) {
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init, int64_t index)
+    : layout_(c.block_layout), slides_(c.layer_slides(index)) {
   self_attn = register_module("self_attn", LlamaAttention(c, dtype, init));
   mlp = register_module("mlp", LlamaMLP(c, dtype, init));
-  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, dtype));
-  post_attention_layernorm =
-      register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps, dtype));
+  auto norm = [&](const char* name) {
+    return register_module(name, RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_style));
+  };
+  // The norms each family has, under transformers' names (registered in its order).
+  if (layout_ != BlockLayout::kPostNorm) input_layernorm = norm("input_layernorm");
+  post_attention_layernorm = norm("post_attention_layernorm");
+  if (layout_ == BlockLayout::kSandwich) pre_feedforward_layernorm = norm("pre_feedforward_layernorm");
+  if (layout_ != BlockLayout::kPreNorm) post_feedforward_layernorm = norm("post_feedforward_layernorm");
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                              const torch::Tensor& sin, const torch::Tensor& allowed) {
-  auto h = x + self_attn(input_layernorm(x), cos, sin, allowed);
-  return h + mlp(post_attention_layernorm(h));
+  switch (layout_) {
+    case BlockLayout::kPreNorm: {  // LlamaDecoderLayer
+      auto h = x + self_attn(input_layernorm(x), cos, sin, allowed);
+      return h + mlp(post_attention_layernorm(h));
+    }
+    case BlockLayout::kPostNorm: {  // Olmo2DecoderLayer / Olmo3DecoderLayer
+      auto h = x + post_attention_layernorm(self_attn(x, cos, sin, allowed));
+      return h + post_feedforward_layernorm(mlp(h));
+    }
+    case BlockLayout::kSandwich: {  // Gemma3DecoderLayer
+      auto h = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin, allowed));
+      return h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)));
+    }
+  }
+  return x;
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init)
     : config_(c), rotary_(c) {
-  embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size, c.pad_token_id, dtype));
+  if (c.local_rope_theta) local_rotary_.emplace(c, *c.local_rope_theta);
+  std::optional<double> embed_scale;
+  if (c.scale_embeddings) embed_scale = std::sqrt(static_cast<double>(c.hidden_size));
+  embed_tokens = register_module("embed_tokens",
+                                 Embedding(c.vocab_size, c.hidden_size, c.pad_token_id, dtype, embed_scale));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c, dtype, init));
-  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, dtype));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(LlamaDecoderLayer(c, dtype, init, i));
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_style));
 }
 
 torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
@@ -549,10 +629,11 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
   // [B, 1, T, T] of bool.
   auto idx = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(device));
   torch::Tensor allowed;
+  torch::Tensor same_segment;  // [B, T, T]
   torch::Tensor positions = position_ids;
   if (segment_ids.defined()) {
-    auto same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);  // [B, T, T]
-    allowed = (idx.view({T, 1}) >= idx.view({1, T})).unsqueeze(0).logical_and(same).unsqueeze(1);
+    same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);
+    allowed = (idx.view({T, 1}) >= idx.view({1, T})).unsqueeze(0).logical_and(same_segment).unsqueeze(1);
     if (!positions.defined()) {
       // Positions restart at 0 at each segment start: t - (index of the segment's first token).
       auto is_start = torch::ones({B, T}, torch::TensorOptions().dtype(torch::kBool).device(device));
@@ -562,15 +643,31 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
     }
   }
   if (!positions.defined()) positions = idx.unsqueeze(0).expand({B, T});
+  // Sliding-window layers: also j > i - sliding_window (transformers' sliding_window_overlay
+  // on the token indices); a window covering the sequence is plain causal attention.
+  torch::Tensor allowed_sliding = allowed;
+  if (config_.sliding_window && T > *config_.sliding_window) {
+    auto distance = idx.view({T, 1}) - idx.view({1, T});  // i - j
+    auto band = distance.ge(0).logical_and(distance.lt(*config_.sliding_window)).unsqueeze(0);  // [1, T, T]
+    allowed_sliding = (same_segment.defined() ? band.logical_and(same_segment) : band).unsqueeze(1);
+  }
 
-  auto [cos, sin] = rotary_.forward(positions, h.scalar_type());
+  // Olmo rotates in fp32 (its rotary returns fp32 cos/sin); the others in the compute dtype.
+  const auto rope_dtype = config_.rope_in_fp32 ? torch::kFloat32 : h.scalar_type();
+  auto [cos, sin] = rotary_.forward(positions, rope_dtype);
+  torch::Tensor local_cos = cos, local_sin = sin;
+  if (local_rotary_) std::tie(local_cos, local_sin) = local_rotary_->forward(positions, rope_dtype);
   for (const auto& layer : *layers) {
     auto* decoder = layer->as<LlamaDecoderLayerImpl>();
+    const bool slides = decoder->slides();
+    const auto& c = slides ? local_cos : cos;
+    const auto& s = slides ? local_sin : sin;
+    const auto& mask = slides ? allowed_sliding : allowed;
     h = run_layer(*layer, [&] {
-      if (!recompute_layers_) return decoder->forward(h, cos, sin, allowed);
+      if (!recompute_layers_) return decoder->forward(h, c, s, mask);
       // The closure keeps what the recomputation in backward needs (the layer, cos, sin, mask).
-      return recomputed(*layer, [layer, cos = cos, sin = sin, allowed](const torch::Tensor& x) {
-        return layer->as<LlamaDecoderLayerImpl>()->forward(x, cos, sin, allowed);
+      return recomputed(*layer, [layer, c, s, mask](const torch::Tensor& x) {
+        return layer->as<LlamaDecoderLayerImpl>()->forward(x, c, s, mask);
       }, h);
     });
   }
@@ -619,15 +716,19 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, cons
     }
   }
   check_token_ids(input_ids, config_.vocab_size, "LlamaForCausalLM input_ids");
-  config_.check_sequence_length(input_ids.size(1));
 
   auto ids = input_ids.to(torch::kInt64);
   auto h = model(ids, position_ids.defined() ? position_ids.to(torch::kInt64) : position_ids, segment_ids);
-  // The output head: hidden -> vocabulary logits (tied: the embedding matrix itself).
-  if (lm_head.is_empty()) {
-    return run_layer(*model->embed_tokens, [&] { return torch::linear(h, model->embed_tokens->weight); });
+  // The output head: hidden -> vocabulary logits (tied: the embedding matrix itself, unscaled).
+  auto logits = lm_head.is_empty()
+                    ? run_layer(*model->embed_tokens, [&] { return torch::linear(h, model->embed_tokens->weight); })
+                    : run_layer(*lm_head, [&] { return lm_head(h); });
+  if (config_.final_logit_softcapping) {
+    // Gemma3ForCausalLM: logits / cap, tanh, * cap (in the logits' dtype).
+    const double cap = *config_.final_logit_softcapping;
+    logits = torch::tanh(logits / cap) * cap;
   }
-  return run_layer(*lm_head, [&] { return lm_head(h); });
+  return logits;
 }
 
 std::vector<std::shared_ptr<torch::nn::Module>> LlamaForCausalLMImpl::hooked_layers() {

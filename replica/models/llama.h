@@ -1,21 +1,31 @@
 // The Llama family of decoder-only language models, written plainly (in the spirit of
-// llm.c) and numerically equal to Hugging Face transformers' eager implementation:
+// llm.c) and numerically equal to Hugging Face transformers' implementation, one network
+// parameterised by the family switches of decoder_family.h:
 //   model_type llama   Llama 2 / 3.x: RMSNorm, rotary embeddings (with Llama 3's
 //                      rope_scaling), grouped-query attention, SwiGLU MLP, tied or untied
 //                      embeddings, optional attention_bias (q/k/v/o) and mlp_bias;
-//   model_type mistral the same network (sliding_window must be null or cover the sequence);
-//   model_type qwen2   adds biases on q/k/v (not o);
+//   model_type mistral the same network with sliding-window attention on every layer;
+//   model_type qwen2   adds biases on q/k/v (not o); sliding windows with use_sliding_window;
 //   model_type qwen3   adds RMSNorm over each head of q and k (q_norm / k_norm) and takes
-//                      head_dim from the config (it need not be hidden_size / heads).
+//                      head_dim from the config (it need not be hidden_size / heads);
+//   model_type olmo2   norms after the attention and MLP outputs (not before), q/k RMSNorm
+//                      over the whole projection, rotary in fp32;
+//   model_type olmo3   Olmo 2 with sliding-window layers in its layer_types pattern;
+//   model_type gemma3_text (and gemma3's text part) (1 + w) RMSNorm before and after each
+//                      block, GELU-tanh gated MLP, embeddings scaled by sqrt(hidden), q/k norm,
+//                      local sliding-window and global layers with their own rope bases.
 //
 // Parameter names are Hugging Face's, so named_parameters() maps 1:1 onto the keys of
 // model.safetensors (tied embeddings: lm_head.weight is not a parameter; the head uses
 // model.embed_tokens.weight, and save omits lm_head.weight as save_pretrained does):
 //   model.embed_tokens.weight                         [V, H]
 //   model.layers.N.self_attn.{q,k,v,o}_proj.weight    (.bias for qwen2 q/k/v, attention_bias)
-//   model.layers.N.self_attn.{q,k}_norm.weight        [head_dim] (qwen3)
+//   model.layers.N.self_attn.{q,k}_norm.weight        [head_dim] (qwen3, gemma3), [heads * head_dim] (olmo)
 //   model.layers.N.mlp.{gate,up,down}_proj.weight
-//   model.layers.N.input_layernorm.weight, model.layers.N.post_attention_layernorm.weight
+//   model.layers.N.input_layernorm.weight             (llama, gemma3)
+//   model.layers.N.post_attention_layernorm.weight    (every family: before the MLP in llama,
+//                                                      after the attention in olmo and gemma3)
+//   model.layers.N.{pre,post}_feedforward_layernorm.weight  (gemma3: pre and post; olmo: post)
 //   model.norm.weight, lm_head.weight                 [V, H] (untied)
 //
 // Compute dtype = parameter dtype (fp32 or bf16; module.to(dtype) converts). Like HF:
@@ -24,6 +34,7 @@
 // in fp32.
 #pragma once
 
+#include "replica/models/decoder_family.h"
 #include "replica/models/layer_hooks.h"
 #include "replica/models/lora.h"
 
@@ -38,20 +49,28 @@
 
 namespace replica::models {
 
-// Llama 3's rope_scaling ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-// "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).
+// rope_scaling of the global (full-attention) layers:
+//   llama3  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+//            "original_max_position_embeddings": 8192}
+//   linear  {"rope_type": "linear", "factor": 8.0} (Gemma 3): inv_freq / factor
+//   yarn    {"rope_type": "yarn", "factor": ..., "original_max_position_embeddings", "beta_fast",
+//            "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"} (Olmo 3)
 struct RopeScaling {
   std::string rope_type = "llama3";
   double factor = 8.0;
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;
+  int64_t original_max_position_embeddings = 8192;  // yarn: max_position_embeddings when absent
+  std::optional<double> attention_factor;           // yarn: cos/sin scale (else from factor, mscale)
+  double beta_fast = 32.0, beta_slow = 1.0;
+  std::optional<double> mscale, mscale_all_dim;
+  bool truncate = true;
 };
 
 // The fields of config.json the network depends on. Defaults are transformers' LlamaConfig
 // defaults for the optional fields; parse_llama_config requires the sizes.
 struct LlamaConfig {
-  std::string model_type = "llama";          // llama | qwen2 | qwen3 | mistral
+  std::string model_type = "llama";          // decoder_family.h: supported_model_types()
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
   int64_t intermediate_size = 11008;
@@ -64,32 +83,53 @@ struct LlamaConfig {
   std::optional<RopeScaling> rope_scaling;   // null / "default" = none
   int64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
-  bool qkv_bias = false;                     // qwen2: always; llama/qwen3: attention_bias
-  bool o_bias = false;                       // llama/qwen3: attention_bias
+  bool qkv_bias = false;                     // qwen2: always; llama/qwen3/olmo/gemma3: attention_bias
+  bool o_bias = false;                       // llama/qwen3/olmo/gemma3: attention_bias
   bool mlp_bias = false;                     // llama: mlp_bias
-  bool qk_norm = false;                      // qwen3
   double attention_dropout = 0.0;            // on attention probabilities, training only
-  std::optional<int64_t> sliding_window;     // set only when it is in effect
   std::string torch_dtype = "float32";       // as written in config.json (or "dtype")
   std::optional<int64_t> bos_token_id;
   std::vector<int64_t> eos_token_ids;        // eos_token_id may be one id or a list
   std::optional<int64_t> pad_token_id;
   double initializer_range = 0.02;
-  std::string json_text;                     // config.json as read (rewritten on save)
+  std::string json_text;                     // config.json as read (rewritten on save); for a
+                                             // gemma3 checkpoint its text model's config
+
+  // The family switches (decoder_family.h), set from model_type; the defaults are Llama's.
+  NormStyle norm_style = NormStyle::kWeightAfterCast;
+  BlockLayout block_layout = BlockLayout::kPreNorm;
+  QkNorm qk_norm = QkNorm::kNone;
+  Activation activation = Activation::kSilu;
+  bool scale_embeddings = false;             // gemma3: embeddings * sqrt(hidden_size)
+  bool rope_in_fp32 = false;                 // olmo: q, k rotated in fp32 and cast back
+  std::optional<double> query_pre_attn_scalar;    // gemma3: attention scale scalar^-0.5 (else head_dim^-0.5)
+  std::optional<double> final_logit_softcapping;  // gemma3: logits = cap * tanh(logits / cap)
+  // Sliding-window attention: set only when some layer slides. A token of a sliding layer
+  // attends to itself and the sliding_window - 1 tokens before it (within its packed sample).
+  std::optional<int64_t> sliding_window;
+  std::vector<bool> sliding_layers;          // which layers slide (size num_hidden_layers), with sliding_window
+  // The rotary base of the sliding layers, with plain (default) RoPE: gemma3's
+  // rope_local_base_freq, olmo3's rope_theta when the full layers have rope_scaling. Unset:
+  // every layer rotates with rope_theta and rope_scaling.
+  std::optional<double> local_rope_theta;
+  std::string wrapper_model_type;            // "gemma3": the text part of a multimodal checkpoint
 
   int64_t num_key_value_groups() const { return num_attention_heads / num_key_value_heads; }
-  // replica::Error naming sliding_window when a sequence of `length` tokens is longer than
-  // the window (replica has no sliding-window attention; within the window it is full
-  // causal attention, so a window covering the sequence is exact).
-  void check_sequence_length(int64_t length) const;
+  bool layer_slides(int64_t layer) const {
+    return sliding_window.has_value() && layer < static_cast<int64_t>(sliding_layers.size()) &&
+           sliding_layers[static_cast<size_t>(layer)];
+  }
+  // The factor on q k^T: query_pre_attn_scalar^-0.5, or head_dim^-0.5.
+  double attention_scale() const;
   // config.json text: json_text with the fields above written over it (or a fresh HF-style
   // config when json_text is empty).
   std::string to_json_string() const;
 };
 
 // Parses config.json text. `source` (the file) is named in every error: an unsupported
-// model_type, hidden_act other than silu, rope_scaling of another type, a missing or
-// mistyped field, quantization_config, inconsistent head counts.
+// model_type, an unsupported activation, rope_scaling of another type, a missing or
+// mistyped field, quantization_config, inconsistent head counts. A gemma3 config gives its
+// text model's (decoder_family.h: text_model_config; wrapper_model_type "gemma3").
 LlamaConfig parse_llama_config(const std::string& json_text, const std::string& source);
 // Reads and parses a config.json file.
 LlamaConfig read_llama_config_file(const std::string& path);
@@ -97,44 +137,57 @@ LlamaConfig read_llama_config_file(const std::string& path);
 torch::ScalarType dtype_from_string(const std::string& name, const std::string& source);
 std::string dtype_to_string(torch::ScalarType dtype);
 
-// x * rsqrt(mean(x^2) + eps) in fp32, cast back to x's dtype, times weight.
+// x^ = x * rsqrt(mean(x^2) + eps) in fp32, then the weight applied as `style` says
+// (NormStyle: weight * x^.to(dtype), (weight * x^).to(dtype), or (x^ * (1 + weight)).to(dtype)).
+// The weight starts at ones (zeros for kOnePlusWeight).
 class RMSNormImpl : public torch::nn::Module {
  public:
-  RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype = torch::kFloat32);
+  RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype = torch::kFloat32,
+              NormStyle style = NormStyle::kWeightAfterCast);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
 
  private:
   double eps_;
+  NormStyle style_;
 };
 TORCH_MODULE(RMSNorm);
 
 // Token embedding: weight [V, H]; rows looked up by id. The pad row (pad_token_id, when the
-// config has one) gets no gradient, like nn.Embedding(padding_idx=pad_token_id) in HF.
+// config has one) gets no gradient, like nn.Embedding(padding_idx=pad_token_id) in HF. With
+// `scale`, the rows are multiplied by it, rounded to the weight's dtype first (Gemma 3's
+// Gemma3TextScaledWordEmbedding: sqrt(hidden_size)).
 class EmbeddingImpl : public torch::nn::Module {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding_idx,
-                torch::ScalarType dtype = torch::kFloat32);
+                torch::ScalarType dtype = torch::kFloat32, std::optional<double> scale = std::nullopt);
   torch::Tensor forward(const torch::Tensor& ids);
   torch::Tensor weight;
 
  private:
   int64_t padding_idx_ = -1;
+  std::optional<double> scale_;
 };
 TORCH_MODULE(Embedding);
 
 // Rotary position embedding tables: cos/sin [B, T, head_dim] for given positions.
 class RotaryEmbedding {
  public:
+  // The global layers' rotary (rope_theta, rope_scaling).
   explicit RotaryEmbedding(const LlamaConfig& config);
-  // position_ids [B, T] (integer) -> {cos, sin}, computed in fp32 and cast to `dtype`.
+  // Plain RoPE on base `theta` (the sliding layers' local rotary, local_rope_theta).
+  RotaryEmbedding(const LlamaConfig& config, double theta);
+  // position_ids [B, T] (integer) -> {cos, sin}, computed in fp32 (times attention_scaling)
+  // and cast to `dtype`.
   std::pair<torch::Tensor, torch::Tensor> forward(const torch::Tensor& position_ids,
                                                   torch::ScalarType dtype);
   const torch::Tensor& inv_freq() const { return inv_freq_; }
+  double attention_scaling() const { return attention_scaling_; }
 
  private:
   torch::Tensor inv_freq_;  // [head_dim / 2] fp32; a plain member, not a buffer (like HF's
                             // non-persistent buffer it is never saved nor cast by to(dtype))
+  double attention_scaling_ = 1.0;  // yarn's attention factor
 };
 
 class LlamaAttentionImpl : public torch::nn::Module {
@@ -145,32 +198,49 @@ class LlamaAttentionImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& allowed);
   LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // qwen3 only
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};  // qwen3, olmo, gemma3
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double attention_dropout_;
+  double scaling_;
+  QkNorm qk_norm_;
+  bool rope_in_fp32_;
 };
 TORCH_MODULE(LlamaAttention);
 
-// SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)).
+// Gated MLP: down_proj(act(gate_proj(x)) * up_proj(x)), act SiLU (SwiGLU) or GELU-tanh (Gemma 3).
 class LlamaMLPImpl : public torch::nn::Module {
  public:
   LlamaMLPImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init);
   torch::Tensor forward(const torch::Tensor& x);
   LoraLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+ private:
+  Activation activation_;
 };
 TORCH_MODULE(LlamaMLP);
 
-// Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+// Residual block with the family's norms (BlockLayout): pre-norm x + attn(norm(x)), then
+// h + mlp(norm(h)); post-norm x + norm(attn(x)), then h + norm(mlp(h)); sandwich
+// x + norm(attn(norm(x))), then h + norm(mlp(norm(h)). Layer `index` of the config, which says
+// whether it is a sliding-window layer.
 class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
-  LlamaDecoderLayerImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init);
+  LlamaDecoderLayerImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init, int64_t index = 0);
+  // cos/sin and the mask are the ones for this layer's kind (LlamaModel picks them).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& allowed);
+  bool slides() const { return slides_; }
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
+  // Under their HF names; null where the family has no such norm.
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};
+
+ private:
+  BlockLayout layout_;
+  bool slides_ = false;
 };
 TORCH_MODULE(LlamaDecoderLayer);
 
@@ -193,6 +263,7 @@ class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
  private:
   LlamaConfig config_;
   RotaryEmbedding rotary_;
+  std::optional<RotaryEmbedding> local_rotary_;  // the sliding layers' (local_rope_theta)
   bool recompute_layers_ = false;
 };
 TORCH_MODULE(LlamaModel);
@@ -213,8 +284,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
   //   Padding, on either side of a row, is a segment of its own (train/llm_sft.h gives it
   //   -1): no sample's token attends to it, each pad attends to pads (never to nothing), and
   //   positions restart at 0 at the first token after left padding, as transformers'
-  //   position_ids from the attention mask do.
-  // Returns logits [B, T, V] in the compute dtype.
+  //   position_ids from the attention mask do. Sliding-window layers also keep each token to
+  //   the last sliding_window tokens of its segment (counted by index, as transformers does).
+  // Returns logits [B, T, V] in the compute dtype (softcapped where the config says).
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids = {},
                         const torch::Tensor& segment_ids = {});
 

@@ -64,12 +64,12 @@ void expect_config(const std::string& variant, const LlamaConfig& c) {
     EXPECT_EQ(c.tie_word_embeddings, variant != "qwen2");
   } else if (variant == "qwen3") {
     EXPECT_EQ(c.model_type, "qwen3");
-    EXPECT_TRUE(c.qk_norm);
+    EXPECT_EQ(c.qk_norm, QkNorm::kPerHead);
     EXPECT_EQ(c.head_dim, 16);
     EXPECT_TRUE(c.tie_word_embeddings);
     EXPECT_FALSE(c.sliding_window.has_value());
   } else if (variant == "qwen3_untied") {
-    EXPECT_TRUE(c.qk_norm);
+    EXPECT_EQ(c.qk_norm, QkNorm::kPerHead);
     EXPECT_EQ(c.num_key_value_heads, 4);
     EXPECT_TRUE(c.qkv_bias && c.o_bias);
     EXPECT_FALSE(c.tie_word_embeddings);

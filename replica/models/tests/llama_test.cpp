@@ -146,7 +146,7 @@ TEST(LlamaConfig, FixtureConfigsParseAsExpected) {
   EXPECT_FALSE(qwen2.o_bias);
   EXPECT_FALSE(qwen2.sliding_window.has_value());  // use_sliding_window false
   auto qwen3 = read_hf_config(fixture("qwen3"));
-  EXPECT_TRUE(qwen3.qk_norm);
+  EXPECT_EQ(qwen3.qk_norm, QkNorm::kPerHead);
   EXPECT_EQ(qwen3.head_dim, 16);
   EXPECT_TRUE(qwen3.tie_word_embeddings);
   auto mistral = read_hf_config(fixture("mistral"));
@@ -313,8 +313,8 @@ TEST(LlamaConfig, UnsupportedModelTypeNamesItAndTheFile) {
 }
 
 TEST(LlamaConfig, UnsupportedFieldsAreNamed) {
-  expect_error([] { tiny_config(R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0})"); },
-               {"rope_scaling type 'yarn'", "tiny config"});
+  expect_error([] { tiny_config(R"(, "rope_scaling": {"rope_type": "longrope", "factor": 4.0})"); },
+               {"rope_scaling type 'longrope'", "tiny config"});
   expect_error([] { tiny_config(R"(, "rope_scaling": {"type": "dynamic", "factor": 2.0})"); },
                {"rope_scaling type 'dynamic'"});
   expect_error([] { tiny_config(R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0})"); },
@@ -332,24 +332,52 @@ TEST(LlamaConfig, UnsupportedFieldsAreNamed) {
   EXPECT_FALSE(tiny_config(R"(, "rope_scaling": {"rope_type": "default"})").rope_scaling.has_value());
 }
 
-TEST(LlamaConfig, SmallSlidingWindowIsRefusedNamingIt) {
-  auto text = read_text(fixture("mistral") + "/config.json");
-  auto cfg = json::parse(text);
-  cfg["sliding_window"] = 8;
-  TempDir tmp("window");
-  fs::copy(fixture("mistral"), tmp.path / "m");
-  write_text(tmp.path / "m" / "config.json", cfg.dump());
-  auto model = load_hf_model(tmp.str("m"));  // fine: sequences up to 8 tokens are exact
+// A sliding window shorter than the sequence: with one layer, position t sees exactly the
+// sliding_window tokens ending at t, so its logits are those of that slice run alone (RoPE is
+// relative: the slice's positions start at 0). Mistral slides on every layer, Qwen2 from
+// max_window_layers on (use_sliding_window), null never limits. (decoder_family_test.cpp
+// checks packed rows and the Olmo 3 / Gemma 3 patterns; the conformance suite transformers.)
+TEST(LlamaConfig, SlidingWindowShorterThanTheSequenceSeesOnlyTheWindow) {
+  auto cfg = json::parse(read_text(fixture("mistral") + "/config.json"));
+  cfg["sliding_window"] = 4;
+  cfg["num_hidden_layers"] = 1;
+  const LlamaConfig config = parse_llama_config(cfg.dump(), "m.json");
+  ASSERT_EQ(config.sliding_window.value_or(-1), 4);
+  EXPECT_TRUE(config.layer_slides(0));
+  torch::manual_seed(3);
+  LlamaForCausalLM model(config);
+  model->eval();
   torch::NoGradGuard no_grad;
-  EXPECT_EQ(model->forward(torch::zeros({1, 8}, torch::kInt64)).size(1), 8);
-  expect_error([&] { model->forward(torch::zeros({1, 12}, torch::kInt64)); }, {"sliding_window 8", "12 tokens"});
-  expect_error([&] { model->config().check_sequence_length(2048); }, {"sliding_window 8"});
-  // Qwen2 with use_sliding_window true applies it; null sliding_window never limits.
-  auto q = json::parse(read_text(fixture("qwen2") + "/config.json"));
-  q["use_sliding_window"] = true;
-  expect_error([&] { parse_llama_config(q.dump(), "q.json").check_sequence_length(5); }, {"sliding_window 4"});
+  const auto ids = torch::randint(0, config.vocab_size, {2, 12}, torch::kInt64);
+  const auto logits = model->forward(ids);
+  double worst = 0;
+  for (int64_t t = 0; t < 12; ++t) {
+    const int64_t start = std::max<int64_t>(0, t - 3);
+    const auto alone = model->forward(ids.narrow(1, start, t - start + 1)).select(1, -1);
+    worst = std::max(worst, max_abs_diff(logits.select(1, t), alone));
+  }
+  EXPECT_LE(worst, 1e-5);
+  // The window matters: full causal attention differs from position 4 on.
   cfg["sliding_window"] = nullptr;
-  parse_llama_config(cfg.dump(), "m.json").check_sequence_length(1 << 20);
+  LlamaForCausalLM full(parse_llama_config(cfg.dump(), "m.json"));
+  EXPECT_FALSE(full->config().sliding_window.has_value());
+  auto full_params = full->named_parameters();
+  for (const auto& item : model->named_parameters()) full_params[item.key()].copy_(item.value());
+  const auto full_logits = full->forward(ids);
+  EXPECT_LE(max_abs_diff(full_logits.narrow(1, 0, 4), logits.narrow(1, 0, 4)), 1e-6);
+  EXPECT_GT(max_abs_diff(full_logits.narrow(1, 4, 8), logits.narrow(1, 4, 8)), 1e-3);
+
+  // Qwen2: only with use_sliding_window, and only the layers from max_window_layers on.
+  auto q = json::parse(read_text(fixture("qwen2") + "/config.json"));
+  EXPECT_FALSE(parse_llama_config(q.dump(), "q.json").sliding_window.has_value());
+  q["use_sliding_window"] = true;
+  q["sliding_window"] = 4;
+  q["max_window_layers"] = 1;
+  const auto qwen = parse_llama_config(q.dump(), "q.json");
+  EXPECT_FALSE(qwen.layer_slides(0));
+  EXPECT_TRUE(qwen.layer_slides(1));
+  q["max_window_layers"] = 2;  // no layer slides
+  EXPECT_FALSE(parse_llama_config(q.dump(), "q.json").sliding_window.has_value());
 }
 
 TEST(HfModelDir, BadWeightsAreNamed) {

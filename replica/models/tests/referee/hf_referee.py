@@ -6,7 +6,8 @@ Subcommands (run with the project's .venv, see replica/testing/referee.h):
       A tiny random model made by transformers from a small config (VARIANTS below) and
       written with save_pretrained(DIR) (safetensors; fp32 or bf16 as the variant says).
       The weights are drawn larger than transformers' init (and norms / biases away from
-      1 / 0) so that every term of the network shows in the logits. --tokenizer-from copies
+      1 / 0) so that every term of the network shows in the logits. FAMILY_VARIANTS (Olmo 2/3,
+      Gemma 3, windows of 8 on Mistral / Qwen2) have their logits taken on 24 tokens. --tokenizer-from copies
       a tokenizer (tokenizer.model / tokenizer.json, tokenizer_config.json,
       special_tokens_map.json) next to the weights so that `replica llm --train` can use it;
       --vocab-size overrides the variant's vocabulary (the tokenizer's). --logits runs
@@ -45,8 +46,8 @@ from transformers import AutoModelForCausalLM
 # Tiny configs. Every variant exercises GQA except where noted; each one a property of its
 # family: llama3 rope_scaling and a large rope_theta, tied embeddings with attention_bias and
 # mlp_bias (and bf16 weights), Qwen2's q/k/v bias, Qwen3's q/k RMSNorm with head_dim !=
-# hidden / heads, Mistral's sliding_window (larger than any sequence here: replica has no
-# sliding-window attention and refuses sequences longer than the window).
+# hidden / heads, Mistral's sliding_window (larger than any sequence here; FAMILY_VARIANTS
+# below have windows shorter than theirs).
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
 
@@ -93,6 +94,92 @@ VARIANTS = {
                     head_dim=8)),
 }
 
+# The families of issue 19 and sliding windows shorter than the sequence (24 tokens, window 8),
+# each with every feature of its family switched on; families_conformance_test.cpp runs them.
+FAMILY_COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                     max_position_embeddings=128)
+WINDOW_LENGTH = 24  # the test sequences: three windows long
+
+FAMILY_VARIANTS = {
+    # Mistral and Qwen2 with a window of 8: every layer slides (Mistral), the layers from
+    # max_window_layers on (Qwen2 with use_sliding_window).
+    "mistral_window": dict(
+        cls="MistralConfig", dtype=torch.float32, seed=31,
+        config=dict(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8, rope_theta=10000.0,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+    "qwen2_window": dict(
+        cls="Qwen2Config", dtype=torch.float32, seed=32,
+        config=dict(num_hidden_layers=3, num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+                    max_window_layers=1, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1,
+                    eos_token_id=2)),
+    # Olmo 2: norms after attention and MLP, q/k RMSNorm over the whole projection, GQA, untied.
+    "olmo2": dict(
+        cls="Olmo2Config", dtype=torch.float32, seed=33,
+        config=dict(num_hidden_layers=2, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
+                    pad_token_id=1, eos_token_id=2)),
+    # Olmo 2 tied with attention_bias, saved in bf16.
+    "olmo2_tied_bf16": dict(
+        cls="Olmo2Config", dtype=torch.bfloat16, seed=34,
+        config=dict(num_hidden_layers=2, num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True,
+                    pad_token_id=1, eos_token_id=2)),
+    # Olmo 3: its default pattern (three sliding layers, one full) with window 8, YaRN
+    # rope_scaling on the full layer (the sliding ones rotate with plain RoPE).
+    "olmo3": dict(
+        cls="Olmo3Config", dtype=torch.float32, seed=35,
+        config=dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8, rope_theta=500000.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+                    tie_word_embeddings=False, pad_token_id=1, eos_token_id=2)),
+    # Olmo 3 with its own layer_types, tied, attention_bias, bf16.
+    "olmo3_bf16": dict(
+        cls="Olmo3Config", dtype=torch.bfloat16, seed=36,
+        config=dict(num_hidden_layers=2, num_key_value_heads=1, sliding_window=8, attention_bias=True,
+                    layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=True,
+                    pad_token_id=1, eos_token_id=2)),
+    # Gemma 3: sliding (local base 10000) and full layers (rope_theta 1e6 with linear
+    # rope_scaling), head_dim 24 != hidden / heads, query_pre_attn_scalar 20, GQA,
+    # final_logit_softcapping, attention_bias, tied; embeddings times sqrt(64).
+    "gemma3_text": dict(
+        cls="Gemma3TextConfig", dtype=torch.float32, seed=37,
+        config=dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=20,
+                    sliding_window=8, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                    rope_scaling={"rope_type": "linear", "factor": 4.0}, final_logit_softcapping=8.0,
+                    attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+    # Gemma 3 untied, saved in bf16, its default pattern (sliding_window_pattern 2).
+    "gemma3_text_bf16": dict(
+        cls="Gemma3TextConfig", dtype=torch.bfloat16, seed=38,
+        config=dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                    sliding_window=8, sliding_window_pattern=2, tie_word_embeddings=False,
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+    # A gemma3 (Gemma3ForConditionalGeneration) checkpoint: gemma3_text's text model with a
+    # one-layer vision tower; replica loads the text part. Without final_logit_softcapping,
+    # which Gemma3ForConditionalGeneration does not apply (Gemma3ForCausalLM does; replica
+    # refuses it in a gemma3 checkpoint).
+    "gemma3": dict(
+        cls="Gemma3Config", dtype=torch.float32, seed=39, text="gemma3_text",
+        text_overrides=dict(final_logit_softcapping=None),
+        config=dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=28, patch_size=14),
+                    mm_tokens_per_image=4)),
+}
+VARIANTS.update(FAMILY_VARIANTS)
+
+
+def make_config(variant):
+    """The transformers config object of a variant."""
+    v = VARIANTS[variant]
+    if variant in FAMILY_VARIANTS:
+        cfg = dict(v["config"])
+        if "text" in v:  # a multimodal wrapper around another variant's text config
+            cfg["text_config"] = dict(make_config(v["text"]).to_dict(), **v.get("text_overrides", {}))
+        else:
+            cfg = dict(FAMILY_COMMON, **cfg)
+    else:
+        cfg = dict(COMMON)
+        cfg.update(v["config"])
+    return getattr(transformers, v["cls"])(**cfg)
+
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja")
 
@@ -112,17 +199,15 @@ def randomize(model, generator):
 
 def make(args):
     v = VARIANTS[args.variant]
-    cfg = dict(COMMON)
-    cfg.update(v["config"])
+    config = make_config(args.variant)
     if args.vocab_size:
-        cfg["vocab_size"] = args.vocab_size
-    config = getattr(transformers, v["cls"])(**cfg)
+        config.get_text_config().vocab_size = args.vocab_size
     torch.manual_seed(v["seed"])
     model = AutoModelForCausalLM.from_config(config)
     randomize(model, torch.Generator().manual_seed(v["seed"]))
     model = model.to(v["dtype"])
-    if config.tie_word_embeddings:
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    if config.get_text_config().tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     model.save_pretrained(args.out, safe_serialization=True)
     if args.tokenizer_from:
         for f in TOKENIZER_FILES:
@@ -130,10 +215,12 @@ def make(args):
             if os.path.exists(src):
                 shutil.copyfile(src, os.path.join(args.out, f))
     print(json.dumps({"variant": args.variant, "model_type": config.model_type,
-                      "dtype": str(v["dtype"]).replace("torch.", ""), "vocab_size": config.vocab_size,
+                      "dtype": str(v["dtype"]).replace("torch.", ""), "vocab_size": config.get_text_config().vocab_size,
                       "transformers": transformers.__version__}))
     if args.logits:
-        print(json.dumps(compute_logits(args.out, args.logits, args.dtype.split(","), seed=args.seed)))
+        length = WINDOW_LENGTH if args.variant in FAMILY_VARIANTS else 12
+        print(json.dumps(compute_logits(args.out, args.logits, args.dtype.split(","), seed=args.seed,
+                                        length=length)))
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -152,7 +239,8 @@ def compute_logits(model_dir, out, dtypes, ids="", seed=0, batch=2, length=12, n
                 tensors["input_ids"] = load_file(ids)["input_ids"].to(torch.int64).contiguous()
             else:
                 g = torch.Generator().manual_seed(seed)
-                tensors["input_ids"] = torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
+                vocab_size = model.config.get_text_config().vocab_size
+                tensors["input_ids"] = torch.randint(3, vocab_size, (batch, length), generator=g)
         input_ids = tensors["input_ids"]
         if "labels" not in tensors:
             labels = input_ids.clone()
