@@ -6,6 +6,7 @@
 #include "replica/models/llama.h"
 
 #include "replica/core/error.h"
+#include "replica/models/chunked_cross_entropy.h"
 #include "replica/models/config_json.h"
 #include "replica/models/recompute.h"
 #include "replica/models/rope_yarn.h"
@@ -731,6 +732,30 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, cons
   return logits;
 }
 
+TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const torch::Tensor& labels,
+                                         const torch::Tensor& segment_ids, int64_t chunk_tokens) {
+  const bool plain_head = !config_.final_logit_softcapping &&
+                          (lm_head.is_empty() || (!lm_head->has_lora() && !lm_head->base_quantized()));
+  if (!plain_head) return causal_lm_loss_sum(forward(input_ids, {}, segment_ids), labels, segment_ids);
+  if (labels.sizes() != input_ids.sizes()) {
+    fail("LlamaForCausalLM::loss_sum: labels shape {} does not match input_ids {}", c10::str(labels.sizes()),
+         c10::str(input_ids.sizes()));
+  }
+  check_token_ids(input_ids, config_.vocab_size, "LlamaForCausalLM input_ids");
+  auto h = model(input_ids.to(torch::kInt64), torch::Tensor(), segment_ids);
+  auto targets = causal_lm_targets(labels, segment_ids).view({-1});
+  auto flat = h.reshape({-1, h.size(-1)});
+  // Through the head's layer hook, as forward() goes: ZeRO-3 gathers the head around it.
+  auto sum = lm_head.is_empty()
+                 ? run_layer(*model->embed_tokens, [&] {
+                     return linear_cross_entropy_sum(flat, model->embed_tokens->weight, {}, targets, chunk_tokens);
+                   })
+                 : run_layer(*lm_head, [&] {
+                     return linear_cross_entropy_sum(flat, lm_head->weight, lm_head->bias, targets, chunk_tokens);
+                   });
+  return {sum, (targets != -100).sum()};
+}
+
 std::vector<std::shared_ptr<torch::nn::Module>> LlamaForCausalLMImpl::hooked_layers() {
   auto out = model->hooked_layers();
   if (!lm_head.is_empty()) out.push_back(lm_head.ptr());
@@ -752,7 +777,16 @@ TokenLoss causal_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& l
     fail("causal_lm_loss: labels shape {} does not match logits {}", c10::str(labels.sizes()),
          c10::str(logits.sizes()));
   }
-  const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2);
+  const int64_t V = logits.size(2);
+  auto flat_targets = causal_lm_targets(labels, segment_ids).view({-1});
+  auto sum = torch::nn::functional::cross_entropy(
+      logits.to(torch::kFloat32).reshape({-1, V}), flat_targets,
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+  return {sum, (flat_targets != -100).sum()};
+}
+
+torch::Tensor causal_lm_targets(const torch::Tensor& labels, const torch::Tensor& segment_ids) {
+  const int64_t B = labels.size(0), T = labels.size(1);
   // ForCausalLMLoss: pad labels with -100 on the right and shift left by one, so that
   // position t is scored against token t + 1 and the last position against nothing.
   auto targets = torch::full({B, T}, -100, labels.options().dtype(torch::kInt64));
@@ -764,11 +798,7 @@ TokenLoss causal_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& l
     }
     targets.narrow(1, 0, T - 1).copy_(next);
   }
-  auto flat_targets = targets.view({-1});
-  auto sum = torch::nn::functional::cross_entropy(
-      logits.to(torch::kFloat32).reshape({-1, V}), flat_targets,
-      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
-  return {sum, (flat_targets != -100).sum()};
+  return targets;
 }
 
 torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels,

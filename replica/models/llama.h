@@ -268,6 +268,12 @@ class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
 };
 TORCH_MODULE(LlamaModel);
 
+// A sum of per-token losses and how many tokens it counts (causal_lm_loss_sum, loss_sum).
+struct TokenLoss {
+  torch::Tensor sum;    // fp32 scalar, summed over counted tokens (differentiable)
+  torch::Tensor count;  // int64 scalar, number of counted tokens
+};
+
 class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
  public:
   // Parameters in `dtype`; init = HF's _init_weights (normal(0, initializer_range) for linear
@@ -289,6 +295,13 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
   // Returns logits [B, T, V] in the compute dtype (softcapped where the config says).
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids = {},
                         const torch::Tensor& segment_ids = {});
+
+  // causal_lm_loss_sum(forward(input_ids, {}, segment_ids), labels, segment_ids) without the
+  // [B, T, V] logits where the head is a plain matrix (no LoRA adapter on it, not quantized,
+  // no softcapping): the head and its cross-entropy `chunk_tokens` tokens at a time
+  // (chunked_cross_entropy.h). Otherwise exactly that expression.
+  TokenLoss loss_sum(const torch::Tensor& input_ids, const torch::Tensor& labels,
+                     const torch::Tensor& segment_ids = {}, int64_t chunk_tokens = 1024);
 
   // The decoder's layers, then lm_head (untied); the tied head reuses embed_tokens.
   std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;
@@ -312,12 +325,11 @@ TORCH_MODULE(LlamaForCausalLM);
 // t predict labels[t + 1]; labels == -100 are ignored; computed in fp32. With segment_ids,
 // a prediction across a segment boundary (last token of one packed sample -> first token of
 // the next) is ignored too.
-struct TokenLoss {
-  torch::Tensor sum;    // fp32 scalar, summed over counted tokens (differentiable)
-  torch::Tensor count;  // int64 scalar, number of counted tokens
-};
 TokenLoss causal_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& labels,
                              const torch::Tensor& segment_ids = {});
+// The targets that loss scores position t against: labels[t + 1], -100 for the last position
+// and across segment boundaries. [B, T] int64.
+torch::Tensor causal_lm_targets(const torch::Tensor& labels, const torch::Tensor& segment_ids = {});
 // sum / count (0 when no token counts, where torch's mean would give NaN).
 torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& labels,
                              const torch::Tensor& segment_ids = {});

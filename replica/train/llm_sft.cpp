@@ -584,13 +584,13 @@ class LlmSft final : public Workload {
 
   torch::Tensor train_loss_sum(const std::vector<int64_t>& indices) override {
     const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_, settings_.pad_left));
-    auto logits = model_->forward(b.input_ids, {}, b.segment_ids);
-    return models::causal_lm_loss_sum(logits, b.labels, b.segment_ids).sum;
+    // The head and its loss a chunk of tokens at a time: no [tokens, vocab] logits (llama.h).
+    return model_->loss_sum(b.input_ids, b.labels, b.segment_ids).sum;
   }
   torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
     const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_, settings_.pad_left));
-    auto logits = model_->forward(b.input_ids, {}, b.segment_ids);
-    return models::causal_lm_loss(logits, b.labels, b.segment_ids);
+    const models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids);
+    return parts.sum / parts.count.clamp_min(1).to(torch::kFloat32);
   }
 
   EvalSums evaluate(const std::vector<int64_t>& indices) override {

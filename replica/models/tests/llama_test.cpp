@@ -287,6 +287,36 @@ TEST(Llama, GradientsReachEveryParameter) {
   }
 }
 
+// loss_sum (the head and its loss in chunks, no [B, T, V] logits) is causal_lm_loss_sum of
+// forward(): the loss, the count and every gradient, tied and untied, packed, chunks that cut
+// rows and tokens ignored.
+TEST(Llama, ChunkedLossSumEqualsTheLogitsPath) {
+  for (const char* extra : {"", R"(, "tie_word_embeddings": true)"}) {
+    torch::manual_seed(0);
+    LlamaForCausalLM a(tiny_config(extra));
+    LlamaForCausalLM b(tiny_config(extra));
+    {
+      torch::NoGradGuard no_grad;
+      auto pa = a->named_parameters();
+      for (auto& item : b->named_parameters()) item.value().copy_(pa[item.key()]);
+    }
+    auto ids = torch::randint(0, 50, {2, 9}, torch::kInt64);
+    auto labels = ids.clone();
+    labels.index_put_({0, torch::indexing::Slice(0, 3)}, -100);
+    auto segments = torch::cat({torch::zeros({2, 4}, torch::kInt64), torch::ones({2, 5}, torch::kInt64)}, 1);
+    auto plain = causal_lm_loss_sum(a->forward(ids, {}, segments), labels, segments);
+    auto chunked = b->loss_sum(ids, labels, segments, /*chunk_tokens=*/5);
+    EXPECT_EQ(chunked.count.item<int64_t>(), plain.count.item<int64_t>()) << extra;
+    EXPECT_NEAR(chunked.sum.item<double>(), plain.sum.item<double>(), 1e-5 * plain.sum.item<double>()) << extra;
+    plain.sum.backward();
+    chunked.sum.backward();
+    auto pa = a->named_parameters();
+    for (auto& item : b->named_parameters()) {
+      EXPECT_LE(max_abs_diff(item.value().grad(), pa[item.key()].grad()), 1e-5) << extra << " " << item.key();
+    }
+  }
+}
+
 TEST(Llama, MeanTokenLossChecksItsInputs) {
   LlamaForCausalLM model(tiny_config());
   model->train();
