@@ -32,7 +32,40 @@ constexpr FamilySpec kFamilies[] = {
      Activation::kSilu, false, true},
     {"gemma3_text", "Gemma3ForCausalLM", NormStyle::kOnePlusWeight, BlockLayout::kSandwich, QkNorm::kPerHead,
      Activation::kGeluTanh, true, false},
+    // GPT-OSS: GptOssRMSNorm is (weight * x^).to(dtype); its MLP is a mixture of experts and its
+    // attention has sinks (parse_family_fields sets those).
+    {"gpt_oss", "GptOssForCausalLM", NormStyle::kWeightBeforeCast, BlockLayout::kPreNorm, QkNorm::kNone,
+     Activation::kSilu, false, false},
 };
+
+// GptOssConfig's constructor defaults (gpt-oss-20b's shape).
+const json& gpt_oss_defaults() {
+  static const json d = {{"vocab_size", 201088},
+                         {"hidden_size", 2880},
+                         {"intermediate_size", 2880},
+                         {"num_hidden_layers", 36},
+                         {"num_attention_heads", 64},
+                         {"num_key_value_heads", 8},
+                         {"head_dim", 64},
+                         {"num_local_experts", 128},
+                         {"num_experts_per_tok", 4},
+                         {"sliding_window", 128},
+                         {"rope_theta", 150000.0},
+                         {"max_position_embeddings", 131072},
+                         {"rms_norm_eps", 1e-5},
+                         {"attention_bias", true},
+                         {"tie_word_embeddings", false},
+                         {"router_aux_loss_coef", 0.9},
+                         {"output_router_logits", false},
+                         {"rope_scaling",
+                          {{"rope_type", "yarn"},
+                           {"factor", 32.0},
+                           {"beta_fast", 32.0},
+                           {"beta_slow", 1.0},
+                           {"truncate", false},
+                           {"original_max_position_embeddings", 4096}}}};
+  return d;
+}
 
 // The constructor defaults of the fields a saved config.json may leave out.
 const json& olmo_defaults() {
@@ -97,6 +130,13 @@ std::optional<std::vector<bool>> parse_layer_types(const json& j, int64_t layers
 
 }  // namespace
 
+void fill_family_defaults(nlohmann::json& j, const std::string& model_type) {
+  if (model_type != "gpt_oss") return;
+  for (const auto& [key, value] : gpt_oss_defaults().items()) {
+    if (!j.contains(key)) j[key] = value;
+  }
+}
+
 const FamilySpec& family_spec(const std::string& model_type, const std::string& source) {
   const std::string type = model_type == "gemma3" ? "gemma3_text" : model_type;
   for (const auto& f : kFamilies) {
@@ -135,6 +175,8 @@ void parse_family_fields(const nlohmann::json& file_json, const std::string& sou
   json j = file_json;
   const bool olmo = c.model_type == "olmo2" || c.model_type == "olmo3";
   const bool gemma = c.model_type == "gemma3_text";
+  const bool gpt_oss = c.model_type == "gpt_oss";
+  fill_family_defaults(j, c.model_type);
   if (olmo || gemma) {
     for (const auto& [key, value] : (gemma ? gemma3_text_defaults() : olmo_defaults()).items()) {
       if (!j.contains(key)) j[key] = value;
@@ -152,6 +194,24 @@ void parse_family_fields(const nlohmann::json& file_json, const std::string& sou
   if (!gemma) {
     if (auto act = optional_string(j, "hidden_activation", source); act && *act != "silu") {
       fail("{}: hidden_activation '{}' is not supported for {} (only silu)", source, *act, c.model_type);
+    }
+  }
+  if (gpt_oss) {
+    // GptOssAttention: bias=config.attention_bias on q, k, v and o; sinks; GptOssMLP.
+    c.qkv_bias = c.o_bias = optional_bool(j, "attention_bias", source, true);
+    c.attention_sinks = true;
+    c.num_local_experts = optional_int(j, "num_local_experts", source, 128);
+    c.num_experts_per_tok = optional_int(j, "num_experts_per_tok", source, 4);
+    if (c.num_local_experts < 1 || c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_local_experts) {
+      fail("{}: num_experts_per_tok {} must be between 1 and num_local_experts {}", source, c.num_experts_per_tok,
+           c.num_local_experts);
+    }
+    if (optional_bool(j, "output_router_logits", source, false)) {
+      // transformers adds router_aux_loss_coef x the load-balancing loss (models/moe.h has it)
+      // only when asked; replica's training step does not add it yet.
+      fail("{}: output_router_logits true (the router's load-balancing loss in training) is not supported yet; "
+           "set it to false (transformers' default)",
+           source);
     }
   }
   if (olmo || gemma) {
@@ -215,13 +275,14 @@ void parse_family_fields(const nlohmann::json& file_json, const std::string& sou
         for (int64_t i = 0; i < layers; ++i) sliding.push_back(i >= first);
       }
     }
-  } else if (c.model_type == "olmo3" || gemma) {
+  } else if (c.model_type == "olmo3" || gemma || gpt_oss) {
     if (types) {
       sliding = *types;
     } else {
       // Olmo3Config: three sliding layers then one full; Gemma3TextConfig: sliding_window_pattern
       // (default 6) - 1 sliding layers then one full.
-      int64_t pattern = 4;
+      // GptOssConfig: sliding and full layers alternate, starting with a sliding one.
+      int64_t pattern = gpt_oss ? 2 : 4;
       if (gemma) {
         pattern = optional_int(j, "sliding_window_pattern", source, optional_int(j, "_sliding_window_pattern", source, 6));
         if (pattern < 1) fail("{}: sliding_window_pattern must be at least 1, got {}", source, pattern);

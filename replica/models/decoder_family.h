@@ -14,6 +14,10 @@
 //                                                                                          query_pre_attn_scalar, local
 //                                                                                          rope base on sliding layers,
 //                                                                                          final_logit_softcapping
+//   gpt_oss      cast(w * x^)    pre-norm                      -                 (experts) mixture-of-experts MLP
+//                                                                                          (moe.h), attention sinks, q/k/v/o
+//                                                                                          bias, YaRN, alternating sliding
+//                                                                                          layers; MXFP4 experts dequantized
 //   gemma3       the text part of Gemma3ForConditionalGeneration (text_config; language_model.*
 //                weights); the vision tower and the multimodal projector are not loaded.
 //
@@ -73,6 +77,10 @@ std::string supported_model_types();
 // config lacks them). Any other config is returned unchanged. `wrapper` is set to "gemma3"
 // when unwrapped, "" otherwise.
 nlohmann::json text_model_config(const nlohmann::json& config, std::string* wrapper);
+
+// The constructor defaults of the config class where save_pretrained leaves fields equal to
+// them out (gpt_oss: GptOssConfig's, including its YaRN rope_scaling), filled into `j`.
+void fill_family_defaults(nlohmann::json& j, const std::string& model_type);
 
 // The family-specific fields of config.json into `c` (whose model_type, sizes and head_dim are
 // parsed): switches from the spec, sliding-window layers (layer_types, sliding_window,

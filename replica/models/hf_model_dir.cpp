@@ -3,6 +3,7 @@
 #include "replica/core/error.h"
 #include "replica/core/files.h"
 #include "replica/io/files.h"
+#include "replica/models/mxfp4.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -109,6 +110,8 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
   const bool tied = model->config().tie_word_embeddings;
   std::set<std::string> loaded;
   std::optional<torch::ScalarType> stored;
+  // GPT-OSS's MXFP4 experts: W_blocks and W_scales (maybe in different shards) become W.
+  std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> mxfp4;
   torch::NoGradGuard no_grad;
   for (const auto& path : files) {
     auto file = io::load_safetensors(path);
@@ -117,6 +120,24 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
       // vision tower and projector are not loaded (decoder_family.h: text_parameter_name).
       const std::string name = text_parameter_name(stored_name, model->config().wrapper_model_type);
       if (name.empty()) continue;
+      if (model->config().mxfp4_experts && (ends_with(name, "_blocks") || ends_with(name, "_scales"))) {
+        const bool blocks = ends_with(name, "_blocks");
+        const std::string base = name.substr(0, name.size() - 7);
+        auto& pair = mxfp4[base];
+        (blocks ? pair.first : pair.second) = tensor;
+        if (!pair.first.defined() || !pair.second.defined()) continue;
+        auto it = params.find(base);
+        if (it == params.end()) fail("{}: MXFP4 tensor {} is not a parameter of this model", path, base);
+        auto w = dequantize_mxfp4(pair.first, pair.second, it->second.scalar_type(), path + ": " + base);
+        if (w.sizes() != it->second.sizes()) {
+          fail("{}: MXFP4 tensor {} dequantizes to shape {}, config.json implies {}", path, base,
+               c10::str(w.sizes()), c10::str(it->second.sizes()));
+        }
+        it->second.copy_(w);
+        pair = {};
+        if (!loaded.insert(base).second) fail("{}: tensor {} appears more than once", path, base);
+        continue;
+      }
       if (ends_with(name, "rotary_emb.inv_freq")) continue;    // old checkpoints saved this buffer
       if (tied && name == "lm_head.weight") continue;          // the embedding is the head
       auto it = params.find(name);

@@ -6,6 +6,7 @@
 #include "replica/models/llama.h"
 
 #include "replica/core/error.h"
+#include "replica/models/attention_sinks.h"
 #include "replica/models/chunked_cross_entropy.h"
 #include "replica/models/config_json.h"
 #include "replica/models/recompute.h"
@@ -138,12 +139,13 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
 
   LlamaConfig c;
   // A gemma3 (multimodal) config: its text model's config (decoder_family.h).
-  const json j = text_model_config(file_json, &c.wrapper_model_type);
+  json j = text_model_config(file_json, &c.wrapper_model_type);
   c.json_text = c.wrapper_model_type.empty() ? json_text : j.dump(2) + "\n";
   auto model_type = optional_string(j, "model_type", source);
   if (!model_type) fail("{}: model_type is missing (supported: {})", source, supported_model_types());
   c.model_type = *model_type;
   family_spec(c.model_type, source);  // an unsupported model_type is an error naming the supported ones
+  fill_family_defaults(j, c.model_type);
   if (const json* arch = field(j, "architectures")) {
     if (!arch->is_array()) fail("{}: architectures must be a list, got {}", source, arch->dump());
     for (const auto& a : *arch) {
@@ -156,7 +158,11 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
     }
   }
   if (const json* q = field(j, "quantization_config")) {
-    fail("{}: quantization_config is not supported (quantized weights); got {}", source, q->dump());
+    // GPT-OSS's published checkpoints: the experts in MXFP4, dequantized as they are loaded
+    // (models/mxfp4.h); every other quantization_config is refused.
+    const bool mxfp4 = c.model_type == "gpt_oss" && q->is_object() && q->value("quant_method", json()) == json("mxfp4");
+    if (!mxfp4) fail("{}: quantization_config is not supported (quantized weights); got {}", source, q->dump());
+    c.mxfp4_experts = true;
   }
   if (field(j, "partial_rotary_factor") &&
       optional_number(j, "partial_rotary_factor", source, 1.0) != 1.0) {
@@ -285,6 +291,7 @@ std::string LlamaConfig::to_json_string() const {
     } else {
       j["torch_dtype"] = torch_dtype;
     }
+    if (mxfp4_experts) j.erase("quantization_config");  // saved weights are dequantized
     return j.dump(2) + "\n";
   }
   // A fresh config in the layout transformers' save_pretrained writes (sorted keys).
@@ -492,6 +499,13 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, torch::ScalarType d
   k_proj = register_module("k_proj", LoraLinear(c.hidden_size, num_kv_heads_ * head_dim_, c.qkv_bias, dtype, init, std));
   v_proj = register_module("v_proj", LoraLinear(c.hidden_size, num_kv_heads_ * head_dim_, c.qkv_bias, dtype, init, std));
   o_proj = register_module("o_proj", LoraLinear(num_heads_ * head_dim_, c.hidden_size, c.o_bias, dtype, init, std));
+  if (c.attention_sinks) {
+    sinks = register_parameter("sinks", torch::empty({num_heads_}, torch::dtype(dtype)));
+    if (init) {
+      torch::NoGradGuard no_grad;
+      sinks.normal_(0.0, std);
+    }
+  }
   if (qk_norm_ != QkNorm::kNone) {
     // Per head (Qwen3, Gemma 3): [head_dim]; over the whole projection (Olmo): [heads * head_dim].
     const bool whole = qk_norm_ == QkNorm::kWholeProjection;
@@ -552,6 +566,11 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   // kernel]. Grouped-query attention: each key/value head serves num_heads / num_kv_heads
   // query heads (enable_gqa, HF's repeat_kv without the copies).
   const double dropout = attention_dropout_ > 0 && is_training() ? attention_dropout_ : 0.0;
+  if (sinks.defined()) {
+    // GPT-OSS: the sink column in every softmax (attention_sinks.h: the eager path, as transformers).
+    auto out = attention_with_sinks(q, k, v, allowed, sinks, scaling_, dropout, is_training());
+    return o_proj(out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_}));
+  }
   const bool causal = !allowed.defined();
   auto out = at::scaled_dot_product_attention(q, k, v, causal ? std::optional<at::Tensor>() : allowed, dropout,
                                               causal, scaling_, /*enable_gqa=*/num_heads_ != num_kv_heads_);
@@ -577,7 +596,17 @@ torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, torch::ScalarType dtype, bool init, int64_t index)
     : layout_(c.block_layout), slides_(c.layer_slides(index)) {
   self_attn = register_module("self_attn", LlamaAttention(c, dtype, init));
-  mlp = register_module("mlp", LlamaMLP(c, dtype, init));
+  if (c.num_local_experts > 0) {
+    MoeConfig m;
+    m.hidden_size = c.hidden_size;
+    m.intermediate_size = c.intermediate_size;
+    m.num_experts = c.num_local_experts;
+    m.top_k = c.num_experts_per_tok;
+    m.initializer_range = c.initializer_range;
+    moe = register_module("mlp", MoeMlp(m, dtype, init));
+  } else {
+    mlp = register_module("mlp", LlamaMLP(c, dtype, init));
+  }
   auto norm = [&](const char* name) {
     return register_module(name, RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_style));
   };
@@ -593,15 +622,15 @@ torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& x, const torch
   switch (layout_) {
     case BlockLayout::kPreNorm: {  // LlamaDecoderLayer
       auto h = x + self_attn(input_layernorm(x), cos, sin, allowed);
-      return h + mlp(post_attention_layernorm(h));
+      return h + feed_forward(post_attention_layernorm(h));
     }
     case BlockLayout::kPostNorm: {  // Olmo2DecoderLayer / Olmo3DecoderLayer
       auto h = x + post_attention_layernorm(self_attn(x, cos, sin, allowed));
-      return h + post_feedforward_layernorm(mlp(h));
+      return h + post_feedforward_layernorm(feed_forward(h));
     }
     case BlockLayout::kSandwich: {  // Gemma3DecoderLayer
       auto h = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin, allowed));
-      return h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)));
+      return h + post_feedforward_layernorm(feed_forward(pre_feedforward_layernorm(h)));
     }
   }
   return x;

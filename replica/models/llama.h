@@ -37,6 +37,7 @@
 #include "replica/models/decoder_family.h"
 #include "replica/models/layer_hooks.h"
 #include "replica/models/lora.h"
+#include "replica/models/moe.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -113,6 +114,13 @@ struct LlamaConfig {
   // every layer rotates with rope_theta and rope_scaling.
   std::optional<double> local_rope_theta;
   std::string wrapper_model_type;            // "gemma3": the text part of a multimodal checkpoint
+  // gpt_oss: every layer's MLP a mixture of experts (models/moe.h: router, experts of
+  // intermediate_size each), and a learned sink logit per attention head
+  // (models/attention_sinks.h).
+  int64_t num_local_experts = 0;             // > 0: the mixture-of-experts MLP
+  int64_t num_experts_per_tok = 0;
+  bool attention_sinks = false;
+  bool mxfp4_experts = false;                // quantization_config mxfp4: experts stored as blocks/scales
 
   int64_t num_key_value_groups() const { return num_attention_heads / num_key_value_heads; }
   bool layer_slides(int64_t layer) const {
@@ -199,6 +207,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
                         const torch::Tensor& allowed);
   LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // qwen3, olmo, gemma3
+  torch::Tensor sinks;                       // gpt_oss: [heads]
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
@@ -234,11 +243,14 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   bool slides() const { return slides_; }
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
+  MoeMlp moe{nullptr};  // gpt_oss: registered as "mlp" in mlp's place
   // Under their HF names; null where the family has no such norm.
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   RMSNorm pre_feedforward_layernorm{nullptr}, post_feedforward_layernorm{nullptr};
 
  private:
+  torch::Tensor feed_forward(const torch::Tensor& x) { return moe.is_empty() ? mlp(x) : moe(x); }
+
   BlockLayout layout_;
   bool slides_ = false;
 };

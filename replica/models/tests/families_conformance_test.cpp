@@ -72,6 +72,15 @@ void expect_config(const std::string& variant, const LlamaConfig& c) {
   } else if (variant == "olmo3_bf16") {
     EXPECT_EQ(slides(), (std::vector<bool>{false, true}));
     EXPECT_TRUE(c.qkv_bias && c.o_bias && c.tie_word_embeddings);
+  } else if (variant == "gpt_oss") {
+    EXPECT_EQ(c.model_type, "gpt_oss");
+    EXPECT_EQ(slides(), (std::vector<bool>{true, false}));
+    EXPECT_EQ(c.num_local_experts, 4);
+    EXPECT_EQ(c.num_experts_per_tok, 2);
+    EXPECT_TRUE(c.attention_sinks && c.qkv_bias && c.o_bias);
+    ASSERT_TRUE(c.rope_scaling.has_value());
+    EXPECT_EQ(c.rope_scaling->rope_type, "yarn");
+    EXPECT_FALSE(c.rope_scaling->truncate);
   } else if (variant == "gemma3_text" || variant == "gemma3") {
     EXPECT_EQ(c.model_type, "gemma3_text");
     EXPECT_EQ(c.wrapper_model_type, variant == "gemma3" ? "gemma3" : "");
@@ -268,5 +277,5 @@ TEST_P(TransformersFamily, LogitsGreedyTokensLossGradientsAndAdaptersAreTransfor
 
 INSTANTIATE_TEST_SUITE_P(Transformers, TransformersFamily,
                          ::testing::Values("mistral_window", "qwen2_window", "olmo2", "olmo2_tied_bf16", "olmo3",
-                                           "olmo3_bf16", "gemma3_text", "gemma3_text_bf16", "gemma3"));
+                                           "olmo3_bf16", "gemma3_text", "gemma3_text_bf16", "gemma3", "gpt_oss"));
 

@@ -54,6 +54,21 @@ json family_config(const std::string& family, int64_t vocab_size) {
     c["tie_word_embeddings"] = false;
     c["rope_theta"] = 500000.0;
     if (family == "olmo3") c["sliding_window"] = 16;
+  } else if (family == "gpt_oss") {
+    // 4 experts, top-2, sinks, biases, YaRN, a sliding and a full layer.
+    c["model_type"] = "gpt_oss";
+    c["architectures"] = {"GptOssForCausalLM"};
+    c["num_hidden_layers"] = 2;
+    c["head_dim"] = 16;
+    c["num_local_experts"] = 4;
+    c["num_experts_per_tok"] = 2;
+    c["sliding_window"] = 16;
+    c["layer_types"] = {"sliding_attention", "full_attention"};
+    c["rope_theta"] = 150000.0;
+    c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", false},
+                         {"original_max_position_embeddings", 64}};
+    c["attention_bias"] = true;
+    c["tie_word_embeddings"] = false;
   } else {
     c["model_type"] = "gemma3_text";
     c["architectures"] = {"Gemma3ForCausalLM"};
@@ -86,7 +101,7 @@ const Fixture& fixture() {
     out->root = tmpl;
     out->demo = replica::train::write_llm_demo((out->root / "demo").string());
     fixture_made = true;
-    for (const std::string family : {"olmo2", "olmo3", "gemma3_text"}) {
+    for (const std::string family : {"olmo2", "olmo3", "gemma3_text", "gpt_oss"}) {
       const bool gemma = family == "gemma3_text";
       const fs::path tokenizer = gemma ? gemma_tokenizer_dir() : fs::path(out->demo.model_dir);
       const auto tok = replica::text::Tokenizer::from_dir(tokenizer.string());
@@ -168,14 +183,19 @@ TEST_P(LlmFamilies, LoraSftAtWorldTwoWithDdpAndZero3) {
   const Result zero3 = train(family, family + "_lora_zero3", "zero3", true);
   ASSERT_EQ(zero3.exit_code, 0) << zero3;
   // The log names the architecture and its sliding-window layers; all-linear is the seven
-  // projections of every layer.
+  // projections of every layer (GPT-OSS: the four attention projections; its router and
+  // experts are not nn.Linear in PEFT's eyes either).
+  const bool moe = family == "gpt_oss";
+  const int64_t linears = moe ? 4 : 7;
   EXPECT_NE(ddp.err.find("llm-sft: model " + family), std::string::npos) << ddp;
-  EXPECT_NE(ddp.err.find("down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"), std::string::npos) << ddp;
+  EXPECT_NE(ddp.err.find(moe ? "k_proj,o_proj,q_proj,v_proj" : "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"),
+            std::string::npos)
+      << ddp;
   const auto a = load_tensors(fixture().root / (family + "_lora_ddp") / "final" / "adapter_model.safetensors");
   const auto b = load_tensors(fixture().root / (family + "_lora_zero3") / "final" / "adapter_model.safetensors");
   ASSERT_EQ(a.size(), b.size());
   const int64_t layers = replica::models::read_hf_config(fixture().models.at(family)).num_hidden_layers;
-  EXPECT_EQ(static_cast<int64_t>(a.size()), layers * 7 * 2);  // lora_A and lora_B of 7 linears per layer
+  EXPECT_EQ(static_cast<int64_t>(a.size()), layers * linears * 2);  // lora_A and lora_B of each linear
   double moved = 0;
   for (const auto& [name, t] : a) {
     if (name.find("lora_B") != std::string::npos) moved = std::max(moved, t.abs().max().item<double>());
@@ -219,4 +239,4 @@ TEST_P(LlmFamilies, FullFineTuningAtWorldTwoWithDdpAndZero3) {
             << "; ZeRO-3 vs DDP max abs diff " << diff << "\n";
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, LlmFamilies, ::testing::Values("olmo2", "olmo3", "gemma3_text"));
+INSTANTIATE_TEST_SUITE_P(Families, LlmFamilies, ::testing::Values("olmo2", "olmo3", "gemma3_text", "gpt_oss"));

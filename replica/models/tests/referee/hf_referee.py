@@ -162,6 +162,16 @@ FAMILY_VARIANTS = {
         config=dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=2, image_size=28, patch_size=14),
                     mm_tokens_per_image=4)),
+    # GPT-OSS (issue 19): 4 experts, top-2, attention sinks, q/k/v/o bias, YaRN (not
+    # truncated, as GPT-OSS ships it), alternating sliding (window 8) and full layers, GQA.
+    "gpt_oss": dict(
+        cls="GptOssConfig", dtype=torch.float32, seed=40,
+        config=dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 32},
+                    attention_bias=True, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2,
+                    bos_token_id=1)),
 }
 VARIANTS.update(FAMILY_VARIANTS)
 
