@@ -7,7 +7,9 @@
 #   - the LLM SFT demo in bf16 on CUDA (tokens/s from its metrics.jsonl);
 #   - a Llama-shape model of 503M parameters, bf16 full fine-tune step, replica against PyTorch
 #     eager with SDPA on the same GPU (bench/llama_step.{cpp,py}), alternating, medians, with
-#     model FLOPs utilisation.
+#     model FLOPs utilisation;
+#   - LoRA SFT memory and tokens/s of a 349M Llama shape at batch 1 x 2048 tokens, bf16 and fp32,
+#     replica against transformers + peft (bench/memory_compare.sh: the CUDA allocator's peaks).
 # Binaries: BUILD_DIR (default build/) when they run here, else gpu-bundle/ (scripts/gpu_bundle.sh
 # on the build machine; carry it). LibTorch's libraries come from this machine's PyTorch.
 #   scripts/gpu_check.sh [REPORT]
@@ -98,5 +100,25 @@ r, t = med(sys.argv[1], "tokens/s"), med(sys.argv[2], "tokens/s")
 print(f"replica {r:.0f} tokens/s (MFU {med(sys.argv[1], 'mfu'):.3f}), PyTorch eager+SDPA {t:.0f} tokens/s "
       f"(MFU {med(sys.argv[2], 'mfu'):.3f}): ratio {r / t:.2f}")
 PY
+say '```'
+
+# bench/memory_compare.sh: LoRA SFT of a 349M Llama shape (hidden 1024, 24 layers, 16 heads / 8 KV
+# heads, SwiGLU 2816, vocabulary 32000), batch 1 x 2048 tokens, gradient checkpointing and SDPA on,
+# replica (bench_memory_llm) against transformers + peft (bench/memory_llm.py) on this GPU; the
+# memory figure compared is the CUDA caching allocator's peak allocated (reserved and the host's
+# peak RSS are listed too). Needs transformers and peft in $PY.
+for dtype in bf16 fp32; do
+  say
+  say "## LoRA SFT memory, Llama-shape 349M, $dtype, batch 1 x 2048 tokens, cuda:0 ($name)"
+  say "replica against transformers + peft, gradient checkpointing and SDPA on, alternating $ROUNDS rounds, medians:"
+  say '```'
+  PYTHON="$PY" BENCH="$BENCH" bench/memory_compare.sh "$ROUNDS" --device cuda --dtype "$dtype" --steps 10 --warmup 3 \
+    2>&1 | tee -a "$REPORT"
+  say '```'
+done
+say
+say "## LoRA SFT over an NF4 (int4) base, replica alone, bf16, same model and sequence"
+say '```'
+"$BENCH/bench_memory_llm" --device cuda --dtype bf16 --quantization int4 --steps 10 --warmup 3 2>&1 | tail -1 | tee -a "$REPORT"
 say '```'
 echo "gpu_check: report in $REPORT"
