@@ -25,15 +25,8 @@
 #include "replica/core/system.h"
 #include "replica/models/llama.h"
 #include "replica/models/lora.h"
-#include "replica/train/optim.h"
-
-// The quantized base (models/quant.h, lora.h's quantize_base) where this tree has it.
-#if __has_include("replica/models/quant.h")
 #include "replica/models/quant.h"
-#define REPLICA_BENCH_HAS_QUANT 1
-#else
-#define REPLICA_BENCH_HAS_QUANT 0
-#endif
+#include "replica/train/optim.h"
 
 #include <ATen/autocast_mode.h>
 #include <CLI/CLI.hpp>
@@ -155,15 +148,6 @@ int main(int argc, char** argv) {
     }).detach();
   }
 
-#if !REPLICA_BENCH_HAS_QUANT
-  if (quantization != "none") {
-    std::fprintf(stderr,
-                 "bench_memory_llm: --quantization %s: this tree has no replica/models/quant.h (the int8/NF4 "
-                 "quantized LoRA base); run with --quantization none\n",
-                 quantization.c_str());
-    return 2;
-  }
-#endif
   const torch::Device device = device_name == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
   if (device.is_cuda() && !torch::cuda::is_available()) {
     std::fprintf(stderr, "bench_memory_llm: --device cuda but no GPU is visible\n");
@@ -193,7 +177,6 @@ int main(int argc, char** argv) {
   // quantized at once so the full-precision model is never resident; the embeddings, lm_head
   // and norms get HF's init (normal(0, 0.02), ones) and stay as they are.
   replica::models::LlamaForCausalLM model(config, bf16 ? torch::kBFloat16 : torch::kFloat32, /*init=*/!quantized);
-#if REPLICA_BENCH_HAS_QUANT
   if (quantized) {
     const auto options = replica::models::quant_options(quantization, "--quantization");
     torch::NoGradGuard no_grad;
@@ -210,7 +193,6 @@ int main(int argc, char** argv) {
       }
     }
   }
-#endif
   model->to(device);
   if (keep_freed == "after-build") replica::keep_freed_memory_in_process();
   model->train();
@@ -236,7 +218,6 @@ int main(int argc, char** argv) {
   int64_t base_params = params - n_trainable;
   std::string quant_fields;
   double base_vs_fp16 = base_params > 0 ? static_cast<double>(base_bytes) / (2.0 * static_cast<double>(base_params)) : 0;
-#if REPLICA_BENCH_HAS_QUANT
   {
     // The quantized weights are no parameters: lora.h's account of what the base holds.
     const auto held = replica::models::base_memory(*model);
@@ -252,7 +233,6 @@ int main(int argc, char** argv) {
       quant_fields = buf;
     }
   }
-#endif
   // The trainer's AdamW (FusedAdamW) with torch.optim.AdamW's weight decay, as the peer.
   replica::train::OptimizerSpec spec;
   spec.kind = replica::train::OptimizerKind::AdamW;
@@ -268,7 +248,9 @@ int main(int argc, char** argv) {
     for (auto& p : trainable) p.mutable_grad() = torch::Tensor();
     at::autocast::set_autocast_enabled(device.type(), bf16);
     if (bf16) at::autocast::set_autocast_dtype(device.type(), at::kBFloat16);
-    loss = replica::models::causal_lm_loss(model->forward(ids), ids);
+    // The trainer's path: the head and its loss in chunks, no [tokens, vocab] logits (llama.h loss_sum).
+    const auto parts = model->loss_sum(ids, ids);
+    loss = parts.sum / parts.count.clamp_min(1).to(torch::kFloat32);
     at::autocast::set_autocast_enabled(device.type(), false);
     if (bf16) at::autocast::clear_cache();
     loss.backward();

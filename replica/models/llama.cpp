@@ -774,6 +774,10 @@ TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const t
   auto h = model(input_ids.to(torch::kInt64), torch::Tensor(), segment_ids);
   auto targets = causal_lm_targets(labels, segment_ids).view({-1});
   auto flat = h.reshape({-1, h.size(-1)});
+  // A chunk's logits, their exp and its gradient are the step's largest transients: 32 MiB of
+  // fp32 logits (256 tokens at a 32k vocabulary, 64 at Llama 3's 128k) keeps them small while
+  // each chunk's matmul stays large enough to run at full speed.
+  if (chunk_tokens <= 0) chunk_tokens = std::max<int64_t>(64, (int64_t{32} << 20) / (4 * config_.vocab_size));
   // Through the head's layer hook, as forward() goes: ZeRO-3 gathers the head around it.
   auto sum = lm_head.is_empty()
                  ? run_layer(*model->embed_tokens, [&] {

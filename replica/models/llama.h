@@ -311,9 +311,10 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
   // causal_lm_loss_sum(forward(input_ids, {}, segment_ids), labels, segment_ids) without the
   // [B, T, V] logits where the head is a plain matrix (no LoRA adapter on it, not quantized,
   // no softcapping): the head and its cross-entropy `chunk_tokens` tokens at a time
-  // (chunked_cross_entropy.h). Otherwise exactly that expression.
+  // (chunked_cross_entropy.h; 0: as many as make 32 MiB of fp32 logits, at least 64).
+  // Otherwise exactly that expression.
   TokenLoss loss_sum(const torch::Tensor& input_ids, const torch::Tensor& labels,
-                     const torch::Tensor& segment_ids = {}, int64_t chunk_tokens = 1024);
+                     const torch::Tensor& segment_ids = {}, int64_t chunk_tokens = 0);
 
   // The decoder's layers, then lm_head (untied); the tied head reuses embed_tokens.
   std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;

@@ -290,7 +290,6 @@ int run_worker(const RunConfig& config) {
   }
   const int threads = worker_threads(p, world);
   set_compute_threads(threads);
-  keep_freed_memory_in_process();
   if (p.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
 
   const torch::Device device = worker_device(p.device, world);  // before any allocation
@@ -310,6 +309,10 @@ int run_worker(const RunConfig& config) {
   torch::manual_seed(static_cast<uint64_t>(p.seed));
   auto workload = make_workload(config, WorkloadContext{pg, world, threads, device});
   auto engine = make_engine(p, workload->model(), pg, device);
+  // The steps' large blocks stay in the process from now on (core/system.h), not earlier: the
+  // model's load (a quantized base's full-precision weights and the quantizer's temporaries)
+  // must give its memory back.
+  keep_freed_memory_in_process();
   auto optimizer = make_optimizer(
       OptimizerSpec{p.optimizer, p.lr, p.momentum, p.weight_decay, p.offload_optimizer_device, p.nvme_path},
       engine->parameters());
