@@ -133,8 +133,9 @@ class DdpEngine final : public ParallelEngine {
     }
     // Sharded without zero_stage 1 is stage 2 (the buckets are reduce-scattered).
     const std::string kind = !ddp_->sharded() ? std::string(",")
-                             : fmt::format(" (sharded optimizer), ZeRO stage {},{}", stage_ == 1 ? 1 : 2,
-                                           ddp_->parameters_shared() ? " parameters shared by the host's workers," : "");
+                             : fmt::format(" (sharded optimizer),{} ZeRO stage {},",
+                                           ddp_->parameters_shared() ? " parameters shared by the host's workers," : "",
+                                           stage_ == 1 ? 1 : 2);
     return fmt::format("rank {}: backend ddp{} per-worker model state: {:.1f} MiB parameters + {:.1f} MiB gradients + "
                        "{:.1f} MiB optimizer = {:.1f} MiB{}",
                        pg_->rank(), kind, param_bytes / kMiB, grad_bytes / kMiB, optimizer_bytes / kMiB,
