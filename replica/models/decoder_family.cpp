@@ -206,13 +206,10 @@ void parse_family_fields(const nlohmann::json& file_json, const std::string& sou
       fail("{}: num_experts_per_tok {} must be between 1 and num_local_experts {}", source, c.num_experts_per_tok,
            c.num_local_experts);
     }
-    if (optional_bool(j, "output_router_logits", source, false)) {
-      // transformers adds router_aux_loss_coef x the load-balancing loss (models/moe.h has it)
-      // only when asked; replica's training step does not add it yet.
-      fail("{}: output_router_logits true (the router's load-balancing loss in training) is not supported yet; "
-           "set it to false (transformers' default)",
-           source);
-    }
+    // transformers adds router_aux_loss_coef x the load-balancing loss to the loss when asked.
+    c.output_router_logits = optional_bool(j, "output_router_logits", source, false);
+    c.router_aux_loss_coef = optional_number(j, "router_aux_loss_coef", source, 0.9);
+    if (c.router_aux_loss_coef < 0) fail("{}: router_aux_loss_coef {} must be >= 0", source, c.router_aux_loss_coef);
   }
   if (olmo || gemma) {
     // Olmo2/3Attention, Gemma3Attention: bias=config.attention_bias on q, k, v and o.

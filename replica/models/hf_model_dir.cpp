@@ -168,6 +168,12 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
       }
     }
   }
+  for (const auto& [base, pair] : mxfp4) {
+    if (pair.first.defined() != pair.second.defined()) {
+      fail("{}: MXFP4 tensor {} has its {} but no {} in {}", dir, base, pair.first.defined() ? "_blocks" : "_scales",
+           pair.first.defined() ? "_scales" : "_blocks", fmt::join(files, ", "));
+    }
+  }
   for (const auto& [name, tensor] : params) {
     if (!loaded.count(name)) fail("{}: weight {} is missing from {}", dir, name, fmt::join(files, ", "));
   }
@@ -222,7 +228,9 @@ void save_hf_model_dir(const LlamaForCausalLM& model, const std::string& out_dir
   if (!source_dir.empty() && fs::exists(fs::path(source_dir) / "config.json")) {
     const auto source_config = read_llama_config_file((fs::path(source_dir) / "config.json").string());
     // A gemma3 source: its text model's config (the weights saved are the text model's).
-    if (source_config.wrapper_model_type.empty() && (source_config.torch_dtype == dtype_name ||
+    // Written anew also for MXFP4 experts: the saved ones are dequantized (no quantization_config).
+    if (source_config.wrapper_model_type.empty() && !source_config.mxfp4_experts &&
+        (source_config.torch_dtype == dtype_name ||
         (source_config.torch_dtype == "float" && dtype_name == "float32"))) {
       copy_file_atomically((fs::path(source_dir) / "config.json").string(), (out / "config.json").string());
       copied_config = true;

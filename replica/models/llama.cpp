@@ -292,6 +292,10 @@ std::string LlamaConfig::to_json_string() const {
       j["torch_dtype"] = torch_dtype;
     }
     if (mxfp4_experts) j.erase("quantization_config");  // saved weights are dequantized
+    if (num_local_experts > 0) {  // set_router_aux_loss may have changed them
+      j["output_router_logits"] = output_router_logits;
+      j["router_aux_loss_coef"] = router_aux_loss_coef;
+    }
     return j.dump(2) + "\n";
   }
   // A fresh config in the layout transformers' save_pretrained writes (sorted keys).
@@ -368,6 +372,14 @@ std::string LlamaConfig::to_json_string() const {
     j["final_logit_softcapping"] = final_logit_softcapping ? json(*final_logit_softcapping) : json(nullptr);
     j["attn_logit_softcapping"] = nullptr;
     j["use_bidirectional_attention"] = false;
+  }
+  if (model_type == "gpt_oss") {
+    j["sliding_window"] = sliding_window.value_or(128);
+    j["layer_types"] = layer_types;
+    j["num_local_experts"] = num_local_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["output_router_logits"] = output_router_logits;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
   }
   return j.dump(2) + "\n";
 }
@@ -652,6 +664,7 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
                                       const torch::Tensor& segment_ids) {
   const int64_t B = input_ids.size(0), T = input_ids.size(1);
   const auto device = input_ids.device();
+  router_scores_.clear();
   auto h = run_layer(*embed_tokens, [&] { return embed_tokens(input_ids); });  // [B, T, H], parameter dtype
 
   // Which key positions each query position may attend to: causal (j <= i; left undefined,
@@ -693,12 +706,28 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
     const auto& c = slides ? local_cos : cos;
     const auto& s = slides ? local_sin : sin;
     const auto& mask = slides ? allowed_sliding : allowed;
+    const bool collect = collect_router_scores_ && !decoder->moe.is_empty();
     h = run_layer(*layer, [&] {
-      if (!recompute_layers_) return decoder->forward(h, c, s, mask);
+      if (!recompute_layers_) {
+        auto out = decoder->forward(h, c, s, mask);
+        if (collect) router_scores_.push_back(decoder->router_scores());
+        return out;
+      }
       // The closure keeps what the recomputation in backward needs (the layer, cos, sin, mask).
-      return recomputed(*layer, [layer, c, s, mask](const torch::Tensor& x) {
-        return layer->as<LlamaDecoderLayerImpl>()->forward(x, c, s, mask);
+      if (!collect) {
+        return recomputed(*layer, [layer, c, s, mask](const torch::Tensor& x) {
+          return layer->as<LlamaDecoderLayerImpl>()->forward(x, c, s, mask);
+        }, h);
+      }
+      // The router scores as a second output of the checkpointed layer, so that the
+      // load-balancing loss's gradient reaches the router through the recomputation too.
+      auto outs = recomputed_outputs(*layer, [layer, c, s, mask](const torch::Tensor& x) {
+        auto* d = layer->as<LlamaDecoderLayerImpl>();
+        auto y = d->forward(x, c, s, mask);
+        return std::vector<torch::Tensor>{y, d->router_scores()};
       }, h);
+      router_scores_.push_back(outs[1]);
+      return outs[0];
     });
   }
   return run_layer(*norm, [&] { return norm(h); });
@@ -719,6 +748,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config, torch::Sca
   }
   checkpoint_dtype_ = dtype;
   model = register_module("model", LlamaModel(config, dtype, init));
+  model->set_collect_router_scores(config.output_router_logits && config.num_local_experts > 0);
   if (!config.tie_word_embeddings) {
     lm_head = register_module("lm_head", LoraLinear(config.hidden_size, config.vocab_size, false, dtype, init,
                                                     config.initializer_range));
@@ -765,7 +795,13 @@ TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const t
                                          const torch::Tensor& segment_ids, int64_t chunk_tokens) {
   const bool plain_head = !config_.final_logit_softcapping &&
                           (lm_head.is_empty() || (!lm_head->has_lora() && !lm_head->base_quantized()));
-  if (!plain_head) return causal_lm_loss_sum(forward(input_ids, {}, segment_ids), labels, segment_ids);
+  // transformers' load-balancing loss counts the tokens of its attention mask: not the pads
+  // (segment -1, train/llm_sft.h).
+  auto with_aux = [&](TokenLoss parts) {
+    parts.aux = router_aux_loss(segment_ids.defined() ? segment_ids.ge(0) : torch::Tensor());
+    return parts;
+  };
+  if (!plain_head) return with_aux(causal_lm_loss_sum(forward(input_ids, {}, segment_ids), labels, segment_ids));
   if (labels.sizes() != input_ids.sizes()) {
     fail("LlamaForCausalLM::loss_sum: labels shape {} does not match input_ids {}", c10::str(labels.sizes()),
          c10::str(input_ids.sizes()));
@@ -786,7 +822,24 @@ TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const t
                  : run_layer(*lm_head, [&] {
                      return linear_cross_entropy_sum(flat, lm_head->weight, lm_head->bias, targets, chunk_tokens);
                    });
-  return {sum, (targets != -100).sum()};
+  return with_aux({sum, (targets != -100).sum()});
+}
+
+void LlamaForCausalLMImpl::set_router_aux_loss(double coef) {
+  if (coef < 0) fail("router_aux_loss_coef must be >= 0, got {}", coef);
+  if (config_.num_local_experts == 0 && coef > 0) {
+    fail("router_aux_loss_coef {}: the model ({}) has no mixture-of-experts router", coef, config_.model_type);
+  }
+  config_.output_router_logits = coef > 0;
+  config_.router_aux_loss_coef = coef > 0 ? coef : config_.router_aux_loss_coef;
+  model->set_collect_router_scores(config_.output_router_logits && config_.num_local_experts > 0);
+}
+
+torch::Tensor LlamaForCausalLMImpl::router_aux_loss(const torch::Tensor& token_mask) const {
+  if (!config_.output_router_logits || model->router_scores().empty()) return {};
+  return load_balancing_loss(model->router_scores(), config_.num_local_experts, config_.num_experts_per_tok,
+                             token_mask.defined() ? token_mask.reshape(-1) : token_mask) *
+         config_.router_aux_loss_coef;
 }
 
 std::vector<std::shared_ptr<torch::nn::Module>> LlamaForCausalLMImpl::hooked_layers() {

@@ -121,6 +121,10 @@ struct LlamaConfig {
   int64_t num_experts_per_tok = 0;
   bool attention_sinks = false;
   bool mxfp4_experts = false;                // quantization_config mxfp4: experts stored as blocks/scales
+  // gpt_oss: the router's load-balancing loss (models/moe.h) times router_aux_loss_coef added
+  // to the training loss (transformers' output_router_logits; off in the published configs).
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.9;
 
   int64_t num_key_value_groups() const { return num_attention_heads / num_key_value_heads; }
   bool layer_slides(int64_t layer) const {
@@ -241,6 +245,8 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& allowed);
   bool slides() const { return slides_; }
+  // The router scores [B T, E] of the last forward (mixture-of-experts layers; else undefined).
+  torch::Tensor router_scores() const { return moe.is_empty() ? torch::Tensor() : moe->last_router_scores(); }
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
   MoeMlp moe{nullptr};  // gpt_oss: registered as "mlp" in mlp's place
@@ -268,6 +274,11 @@ class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
   // Activation checkpointing of every decoder layer (models/recompute.h): off by default.
   void set_gradient_checkpointing(bool on) { recompute_layers_ = on; }
   bool gradient_checkpointing() const { return recompute_layers_; }
+  // Keep every mixture-of-experts layer's router scores of each forward (router_scores()),
+  // differentiable also under checkpointing, for the load-balancing loss.
+  void set_collect_router_scores(bool on) { collect_router_scores_ = on; }
+  // The last forward's router scores, one [B T, E] per layer (empty unless collected).
+  const std::vector<torch::Tensor>& router_scores() const { return router_scores_; }
   Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   RMSNorm norm{nullptr};
@@ -277,6 +288,8 @@ class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
   RotaryEmbedding rotary_;
   std::optional<RotaryEmbedding> local_rotary_;  // the sliding layers' (local_rope_theta)
   bool recompute_layers_ = false;
+  bool collect_router_scores_ = false;
+  std::vector<torch::Tensor> router_scores_;
 };
 TORCH_MODULE(LlamaModel);
 
@@ -284,6 +297,10 @@ TORCH_MODULE(LlamaModel);
 struct TokenLoss {
   torch::Tensor sum;    // fp32 scalar, summed over counted tokens (differentiable)
   torch::Tensor count;  // int64 scalar, number of counted tokens
+  // A per-forward term, not a sum over tokens: router_aux_loss_coef x the router's
+  // load-balancing loss (gpt_oss with output_router_logits); undefined otherwise. transformers'
+  // loss is sum / count + aux.
+  torch::Tensor aux;
 };
 
 class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
@@ -321,6 +338,13 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
   void set_layer_hooks(LayerHooks* hooks) override;
 
   const LlamaConfig& config() const { return config_; }
+  // The router's load-balancing loss in training (transformers' output_router_logits with
+  // router_aux_loss_coef = coef; coef 0: off). Refused for a model without experts unless 0.
+  void set_router_aux_loss(double coef);
+  // router_aux_loss_coef x load_balancing_loss (moe.h) over the last forward's router scores,
+  // counting the tokens where token_mask [B, T] is true (undefined: every token); undefined
+  // when output_router_logits is off.
+  torch::Tensor router_aux_loss(const torch::Tensor& token_mask = {}) const;
   // The dtype the weights had in the checkpoint they were loaded from (save writes this).
   torch::ScalarType checkpoint_dtype() const { return checkpoint_dtype_; }
   void set_checkpoint_dtype(torch::ScalarType dtype) { checkpoint_dtype_ = dtype; }

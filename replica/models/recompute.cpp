@@ -1,5 +1,7 @@
 #include "replica/models/recompute.h"
 
+#include "replica/core/error.h"
+
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -47,8 +49,10 @@ void set_autocast_state(c10::DeviceType device, const AutocastState& s) {
   at::autocast::set_autocast_dtype(device, s.dtype);
 }
 
+using LayerFn = std::function<std::vector<torch::Tensor>(const torch::Tensor&)>;
+
 struct RecomputeBackward final : torch::autograd::Node {
-  std::function<torch::Tensor(const torch::Tensor&)> fn;
+  LayerFn fn;
   torch::Tensor input;              // the layer's input, detached
   bool input_requires_grad = false;
   std::vector<torch::Tensor> params;  // trainable, in next-edge order after the input
@@ -80,7 +84,7 @@ struct RecomputeBackward final : torch::autograd::Node {
       for (const auto& b : buffers) kept.push_back(b.detach().clone());
       torch::AutoGradMode grad_on(true);
       torch::Tensor x = input.detach().requires_grad_(input_requires_grad);
-      torch::Tensor y = fn(x);
+      const std::vector<torch::Tensor> ys = fn(x);
       set_autocast_state(device.type(), autocast_now);
       {
         torch::NoGradGuard no_grad;
@@ -89,8 +93,16 @@ struct RecomputeBackward final : torch::autograd::Node {
       torch::autograd::variable_list inputs;
       if (input_requires_grad) inputs.push_back(x);
       inputs.insert(inputs.end(), params.begin(), params.end());
-      if (!inputs.empty() && y.requires_grad()) {
-        const auto got = torch::autograd::grad({y}, inputs, {grads[0]}, /*retain_graph=*/false,
+      // The outputs the outer backward reached (an undefined gradient: that output was not used).
+      torch::autograd::variable_list outputs, output_grads;
+      for (size_t i = 0; i < ys.size() && i < grads.size(); ++i) {
+        if (grads[i].defined() && ys[i].requires_grad()) {
+          outputs.push_back(ys[i]);
+          output_grads.push_back(grads[i]);
+        }
+      }
+      if (!inputs.empty() && !outputs.empty()) {
+        const auto got = torch::autograd::grad(outputs, inputs, output_grads, /*retain_graph=*/false,
                                                /*create_graph=*/false, /*allow_unused=*/true);
         size_t k = 0;
         if (input_requires_grad) out[0] = got[k++];
@@ -112,8 +124,7 @@ struct RecomputeBackward final : torch::autograd::Node {
 
 }  // namespace
 
-torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(const torch::Tensor&)> fn,
-                         const torch::Tensor& x) {
+std::vector<torch::Tensor> recomputed_outputs(torch::nn::Module& layer, LayerFn fn, const torch::Tensor& x) {
   if (!torch::GradMode::is_enabled()) return fn(x);
   std::vector<torch::Tensor> params;
   for (auto& p : layer.parameters()) {
@@ -126,10 +137,10 @@ torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(c
   node->autocast = autocast_state(x.device().type());
   node->cpu_rng = at::detail::getDefaultCPUGenerator().get_state();
   if (x.device().is_cuda()) node->device_rng = at::globalContext().defaultGenerator(x.device()).get_state();
-  torch::Tensor y;
+  std::vector<torch::Tensor> ys;
   {
     torch::NoGradGuard no_grad;
-    y = fn(x);
+    ys = fn(x);
   }
   node->fn = std::move(fn);
   node->input = x.detach();
@@ -144,8 +155,22 @@ torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(c
     edges.insert(edges.end(), more.begin(), more.end());
   }
   node->set_next_edges(std::move(edges));
-  torch::autograd::set_history(y, node);
-  return y;
+  // Output i of the node is ys[i]: the backward's grads[i] is its gradient.
+  for (const auto& y : ys) {
+    if (y.defined() && !at::isFloatingType(y.scalar_type())) {
+      fail("recomputed_outputs: a checkpointed layer's outputs must be floating-point tensors, got {}",
+           c10::toString(y.scalar_type()));
+    }
+  }
+  torch::autograd::set_history(ys, node);
+  return ys;
+}
+
+torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(const torch::Tensor&)> fn,
+                         const torch::Tensor& x) {
+  return recomputed_outputs(layer, [fn = std::move(fn)](const torch::Tensor& in) {
+    return std::vector<torch::Tensor>{fn(in)};
+  }, x)[0];
 }
 
 }  // namespace replica::models

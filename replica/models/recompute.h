@@ -8,6 +8,7 @@
 #include <torch/types.h>
 
 #include <functional>
+#include <vector>
 
 namespace replica::models {
 
@@ -18,5 +19,13 @@ namespace replica::models {
 // statistics are updated once, not twice).
 torch::Tensor recomputed(torch::nn::Module& layer, std::function<torch::Tensor(const torch::Tensor&)> fn,
                          const torch::Tensor& x);
+
+// The same for a layer with several outputs (a mixture-of-experts layer's hidden states and
+// its router scores, which the load-balancing loss reads): every output gets the recomputing
+// node as its history, and a backward through any of them (or all) recomputes once. fn must
+// return the same number of outputs each time.
+std::vector<torch::Tensor> recomputed_outputs(torch::nn::Module& layer,
+                                              std::function<std::vector<torch::Tensor>(const torch::Tensor&)> fn,
+                                              const torch::Tensor& x);
 
 }  // namespace replica::models

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <utility>
 
 namespace fs = std::filesystem;
 
@@ -490,6 +491,17 @@ class LlmSft final : public Workload {
                    m.bytes / kMiB, static_cast<double>(m.bytes) / static_cast<double>(m.fp16_bytes),
                    models::dtype_to_string(dtype));
     }
+    if (config.llm.router_aux_loss_coef >= 0) {
+      try {
+        model_->set_router_aux_loss(config.llm.router_aux_loss_coef);
+      } catch (const Error& e) {
+        fail("params.router_aux_loss_coef: {} ({})", e.what(), config.base_model);
+      }
+    }
+    if (main && model_->config().output_router_logits) {
+      spdlog::info("llm-sft: the router's load-balancing loss x {} added to the training loss",
+                   model_->config().router_aux_loss_coef);
+    }
     // AutoTrain's default: every decoder layer recomputed in backward (models/recompute.h).
     model_->model->set_gradient_checkpointing(!config.llm.disable_gradient_checkpointing);
     if (settings_.peft) {
@@ -585,12 +597,16 @@ class LlmSft final : public Workload {
   torch::Tensor train_loss_sum(const std::vector<int64_t>& indices) override {
     const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_, settings_.pad_left));
     // The head and its loss a chunk of tokens at a time: no [tokens, vocab] logits (llama.h).
-    return model_->loss_sum(b.input_ids, b.labels, b.segment_ids).sum;
+    models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids);
+    last_aux_ = parts.aux;
+    return parts.sum;
   }
+  torch::Tensor train_aux_loss() override { return std::exchange(last_aux_, torch::Tensor()); }
   torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
     const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_, settings_.pad_left));
     const models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids);
-    return parts.sum / parts.count.clamp_min(1).to(torch::kFloat32);
+    auto loss = parts.sum / parts.count.clamp_min(1).to(torch::kFloat32);
+    return parts.aux.defined() ? loss + parts.aux.to(torch::kFloat32) : loss;
   }
 
   EvalSums evaluate(const std::vector<int64_t>& indices) override {
@@ -671,6 +687,7 @@ class LlmSft final : public Workload {
   std::vector<std::vector<int64_t>> rows_;
   std::vector<int64_t> row_tokens_, row_items_;
   int32_t pad_id_ = 0;
+  torch::Tensor last_aux_;  // train_aux_loss
 };
 
 }  // namespace
@@ -730,6 +747,11 @@ TaskSpec llm_sft_task() {
           "accepted for AutoTrain configs (attention is always PyTorch's fused SDPA)")
           .group("LLM"),
       key("unsloth", l, &L::unsloth, "Unsloth's kernels (CUDA-only: refused)").group("LLM"),
+      key("router_aux_loss_coef", l, &L::router_aux_loss_coef,
+          "mixture-of-experts models (gpt_oss): add this times the router's load-balancing loss to the training "
+          "loss, averaged over micro-batches and workers (transformers' output_router_logits; 0: off)")
+          .group("LLM")
+          .off_or_at_least(-1.0, 0.0, "as the model's config.json says: off in the published checkpoints"),
   };
   t.defaults = [](RunConfig& c) {
     // AutoTrain's LLMTrainingParams defaults.

@@ -198,6 +198,7 @@ struct LlmParams {
   bool disable_gradient_checkpointing = false;
   bool use_flash_attention_2 = false;
   bool unsloth = false;
+  double router_aux_loss_coef = -1;         // -1: the model's config.json decides
 };
 
 struct RunConfig {

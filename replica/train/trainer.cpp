@@ -240,8 +240,15 @@ class Loop {
     if (mixed) {
       at::autocast::set_autocast_dtype(device, p_.mixed_precision == Precision::Bf16 ? at::kBFloat16 : at::kHalf);
     }
-    torch::Tensor loss = item_scale > 0 ? workload_.train_loss_sum(indices).to(torch::kFloat) * item_scale
-                                        : workload_.train_loss(indices).to(torch::kFloat) / static_cast<double>(group);
+    torch::Tensor loss;
+    if (item_scale > 0) {
+      loss = workload_.train_loss_sum(indices).to(torch::kFloat) * item_scale;
+      if (const auto aux = workload_.train_aux_loss(); aux.defined()) {
+        loss = loss + aux.to(torch::kFloat) / static_cast<double>(group);
+      }
+    } else {
+      loss = workload_.train_loss(indices).to(torch::kFloat) / static_cast<double>(group);
+    }
     at::autocast::set_autocast_enabled(device, false);
     if (mixed) at::autocast::clear_cache();
     log_.split().forward += since(forward_start);

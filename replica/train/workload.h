@@ -83,6 +83,11 @@ class Workload {
   virtual int64_t loss_items(const std::vector<int64_t>& indices) const { return -1; }
   // Summed (not averaged) loss over the given training samples (graph attached).
   virtual torch::Tensor train_loss_sum(const std::vector<int64_t>& indices);
+  // The per-forward term of the last train_loss_sum (a mixture-of-experts router's
+  // load-balancing loss, already times its coefficient), handed over once; undefined where
+  // there is none. A mean per forward, not a sum over items: the trainer adds it averaged over
+  // the step's micro-batches and (through the gradient average) the ranks.
+  virtual torch::Tensor train_aux_loss() { return {}; }
   // A hint: train_loss will be asked for these samples next. A workload may prepare the batch
   // (decode, augment) on a background thread meanwhile, so the workers never wait on data.
   virtual void prefetch(const std::vector<int64_t>& indices) {}

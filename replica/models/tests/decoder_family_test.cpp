@@ -240,3 +240,49 @@ TEST(DecoderFamily, FreshConfigsRoundTrip) {
     EXPECT_EQ(again.eos_token_ids, c.eos_token_ids);
   }
 }
+
+// GPT-OSS's router load-balancing loss: read from config.json, switched by
+// set_router_aux_loss (the router_aux_loss_coef key), kept in a fresh config, refused for a
+// model without experts; the loss itself is a real term of loss_sum only when on.
+TEST(DecoderFamily, RouterLoadBalancingLossSwitches) {
+  const json gpt_oss = json::parse(R"({"model_type": "gpt_oss", "vocab_size": 64, "hidden_size": 32,
+    "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"], "rope_scaling": null})");
+  auto c = parse(gpt_oss);
+  EXPECT_FALSE(c.output_router_logits);  // GptOssConfig's default
+  EXPECT_EQ(c.router_aux_loss_coef, 0.9);
+  auto j = gpt_oss;
+  j["output_router_logits"] = true;
+  j["router_aux_loss_coef"] = 0.25;
+  c = parse(j);
+  EXPECT_TRUE(c.output_router_logits);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.25);
+  c.json_text.clear();
+  const auto again = parse_llama_config(c.to_json_string(), "round trip");
+  EXPECT_TRUE(again.output_router_logits);
+  EXPECT_EQ(again.router_aux_loss_coef, 0.25);
+  j["router_aux_loss_coef"] = -1;
+  expect_error([&] { parse(j); }, {"router_aux_loss_coef -1", "family config"});
+
+  torch::manual_seed(3);
+  LlamaForCausalLM model(parse(gpt_oss));
+  const auto ids = torch::randint(0, 64, {2, 6}, torch::kInt64);
+  EXPECT_FALSE(model->loss_sum(ids, ids).aux.defined());
+  model->set_router_aux_loss(0.5);
+  const auto parts = model->loss_sum(ids, ids);
+  ASSERT_TRUE(parts.aux.defined());
+  EXPECT_EQ(model->model->router_scores().size(), 2u);  // one [B T, E] per layer
+  EXPECT_GT(parts.aux.item<double>(), 0.5 * 1.0);      // about 0.5 x top_k
+  // Left-padded rows: pads (segment -1) are not counted, as transformers' attention mask.
+  auto segments = torch::zeros({2, 6}, torch::kInt64);
+  segments[0].narrow(0, 0, 2).fill_(-1);
+  const auto masked = model->loss_sum(ids, ids, segments).aux;
+  EXPECT_NE(masked.item<double>(), model->loss_sum(ids, ids).aux.item<double>());
+  model->set_router_aux_loss(0);
+  EXPECT_FALSE(model->loss_sum(ids, ids).aux.defined());
+
+  LlamaForCausalLM dense(parse(olmo3_json()));
+  expect_error([&] { dense->set_router_aux_loss(0.5); }, {"router_aux_loss_coef 0.5", "no mixture-of-experts"});
+  EXPECT_NO_THROW(dense->set_router_aux_loss(0));
+}

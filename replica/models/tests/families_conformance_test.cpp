@@ -14,6 +14,9 @@
 //     activation checkpointing);
 //   - LoRA: an adapter replica saves loads into PeftModel with replica's logits, and replica's
 //     all-linear adapts exactly the modules PEFT's all-linear adapts on that model;
+//   - GPT-OSS with output_router_logits (gpt_oss_aux): the load-balancing loss, the loss with
+//     router_aux_loss_coef x it, and every gradient (the router's included), with and without
+//     checkpointing;
 //   - a gemma3 checkpoint: its text part, saved by replica, loads in transformers as
 //     Gemma3ForCausalLM with the same logits.
 #include "replica/models/tests/hf_conformance.h"
@@ -72,15 +75,22 @@ void expect_config(const std::string& variant, const LlamaConfig& c) {
   } else if (variant == "olmo3_bf16") {
     EXPECT_EQ(slides(), (std::vector<bool>{false, true}));
     EXPECT_TRUE(c.qkv_bias && c.o_bias && c.tie_word_embeddings);
-  } else if (variant == "gpt_oss") {
+  } else if (variant == "gpt_oss" || variant == "gpt_oss_bf16") {
     EXPECT_EQ(c.model_type, "gpt_oss");
     EXPECT_EQ(slides(), (std::vector<bool>{true, false}));
     EXPECT_EQ(c.num_local_experts, 4);
     EXPECT_EQ(c.num_experts_per_tok, 2);
     EXPECT_TRUE(c.attention_sinks && c.qkv_bias && c.o_bias);
+    EXPECT_FALSE(c.output_router_logits);
     ASSERT_TRUE(c.rope_scaling.has_value());
     EXPECT_EQ(c.rope_scaling->rope_type, "yarn");
     EXPECT_FALSE(c.rope_scaling->truncate);
+  } else if (variant == "gpt_oss_aux") {
+    EXPECT_EQ(slides(), (std::vector<bool>{true, false, true}));
+    EXPECT_EQ(c.num_local_experts, 8);
+    EXPECT_EQ(c.num_experts_per_tok, 3);
+    EXPECT_TRUE(c.output_router_logits);
+    EXPECT_EQ(c.router_aux_loss_coef, 0.5);
   } else if (variant == "gemma3_text" || variant == "gemma3") {
     EXPECT_EQ(c.model_type, "gemma3_text");
     EXPECT_EQ(c.wrapper_model_type, variant == "gemma3" ? "gemma3" : "");
@@ -103,6 +113,19 @@ void expect_config(const std::string& variant, const LlamaConfig& c) {
 }
 
 class TransformersFamily : public ::testing::TestWithParam<std::string> {};
+
+bool has_router_loss(const std::string& variant) { return variant == "gpt_oss_aux"; }
+
+// transformers' training loss: the mean over counted targets, plus router_aux_loss_coef x the
+// load-balancing loss where the config asks for it (gpt_oss_aux). Through loss_sum, as the
+// trainer computes it.
+torch::Tensor training_loss(LlamaForCausalLM& model, const torch::Tensor& ids, const torch::Tensor& labels,
+                            const std::string& variant) {
+  const auto parts = model->loss_sum(ids, labels);
+  EXPECT_EQ(parts.aux.defined(), has_router_loss(variant));
+  auto loss = parts.sum / parts.count.to(torch::kFloat32);
+  return parts.aux.defined() ? loss + parts.aux : loss;
+}
 
 std::string make_variant(const std::string& variant, const ScratchDir& dir) {
   const std::string model_dir = dir / "model";
@@ -190,7 +213,10 @@ TEST_P(TransformersFamily, LogitsGreedyTokensLossGradientsAndAdaptersAreTransfor
   const auto tokens = greedy(model, ids, kNewTokens);
   EXPECT_TRUE(torch::equal(tokens, ref.at("greedy.float32")))
       << "replica " << tokens << "\ntransformers " << ref.at("greedy.float32");
-  const double loss = causal_lm_loss(logits, ref.at("labels")).item<double>();
+  const double loss = [&] {
+    torch::NoGradGuard no_grad;
+    return training_loss(model, ids, ref.at("labels"), variant).item<double>();
+  }();
   const double ref_loss = ref.at("loss.float32").item<double>();
   EXPECT_LE(std::fabs(loss - ref_loss), 1e-5 * ref_loss);
 
@@ -205,9 +231,18 @@ TEST_P(TransformersFamily, LogitsGreedyTokensLossGradientsAndAdaptersAreTransfor
   for (const bool recompute : {false, true}) {
     model->zero_grad();
     model->model->set_gradient_checkpointing(recompute);
-    const auto train_loss = causal_lm_loss(model->forward(ids), ref.at("labels"));
+    const auto train_loss = training_loss(model, ids, ref.at("labels"), variant);
     train_loss.backward();
     EXPECT_LE(std::fabs(train_loss.item<double>() - hf_grads.at("loss").item<double>()), 1e-5 * ref_loss);
+    if (has_router_loss(variant)) {
+      // The load-balancing loss itself, and that it is a real part of the loss.
+      torch::NoGradGuard no_grad;
+      const double aux = model->router_aux_loss().item<double>() / model->config().router_aux_loss_coef;
+      EXPECT_NEAR(aux, hf_grads.at("aux_loss").item<double>(), 1e-6);
+      EXPECT_GT(aux, 0.5);
+      if (!recompute) std::printf("[%s] load-balancing loss %.7g vs transformers %.7g\n", variant.c_str(), aux,
+                                  hf_grads.at("aux_loss").item<double>());
+    }
     int compared = 0;
     for (const auto& item : model->named_parameters()) {
       SCOPED_TRACE(item.key());
@@ -220,14 +255,15 @@ TEST_P(TransformersFamily, LogitsGreedyTokensLossGradientsAndAdaptersAreTransfor
       largest_grad = std::max(largest_grad, it->second.abs().max().item<double>());
       ++compared;
     }
-    EXPECT_EQ(compared + 1, static_cast<int>(hf_grads.size()));  // every gradient, plus the loss
+    // every gradient, plus the loss (and the load-balancing loss)
+    EXPECT_EQ(compared + 1 + (has_router_loss(variant) ? 1 : 0), static_cast<int>(hf_grads.size()));
   }
   model->model->set_gradient_checkpointing(false);
   std::printf("[%s] fp32: logits max|diff| %.3g (max|logit| %.3g), greedy %s, loss %.7g vs %.7g; gradients "
               "max|diff| %.3g (max|grad| %.3g) over %zu tensors, with and without recompute\n",
               variant.c_str(), d, expected.abs().max().item<double>(),
               torch::equal(tokens, ref.at("greedy.float32")) ? "equal" : "DIFFER", loss, ref_loss, worst_grad,
-              largest_grad, hf_grads.size() - 1);
+              largest_grad, hf_grads.size() - 1 - (has_router_loss(variant) ? 1 : 0));
 
   if (is_bf16(variant)) {
     // bf16 compute on both sides; replica's attention is transformers' sdpa (Note [attention
@@ -255,7 +291,8 @@ TEST_P(TransformersFamily, LogitsGreedyTokensLossGradientsAndAdaptersAreTransfor
                 variant.c_str(), d_sdpa, d_eager, scale, hf_gap);
   }
 
-  if (variant == "olmo2" || variant == "olmo3" || variant == "gemma3_text" || variant == "gemma3") {
+  if (variant == "olmo2" || variant == "olmo3" || variant == "gemma3_text" || variant == "gemma3" ||
+      variant == "gpt_oss") {
     check_peft(variant, dir, model_dir, ref);
   }
 
@@ -277,5 +314,6 @@ TEST_P(TransformersFamily, LogitsGreedyTokensLossGradientsAndAdaptersAreTransfor
 
 INSTANTIATE_TEST_SUITE_P(Transformers, TransformersFamily,
                          ::testing::Values("mistral_window", "qwen2_window", "olmo2", "olmo2_tied_bf16", "olmo3",
-                                           "olmo3_bf16", "gemma3_text", "gemma3_text_bf16", "gemma3", "gpt_oss"));
+                                           "olmo3_bf16", "gemma3_text", "gemma3_text_bf16", "gemma3", "gpt_oss",
+                                           "gpt_oss_aux", "gpt_oss_bf16"));
 

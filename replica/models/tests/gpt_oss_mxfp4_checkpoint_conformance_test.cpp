@@ -172,6 +172,27 @@ TEST_F(GptOssMxfp4Checkpoint, LoadsPublishedLayoutLikeTransformers) {
               load_s);
 }
 
+// What a full fine-tune's final/ (or merge_adapter's merged/) writes from an MXFP4 base: the
+// experts dequantized, config.json without quantization_config, a directory transformers
+// loads with the same logits (FP4 values times powers of two are exact in bf16).
+TEST_F(GptOssMxfp4Checkpoint, SavedModelIsADequantizedDirectoryTransformersLoads) {
+  ASSERT_NE(ref_, nullptr);
+  auto model = load_hf_model(model_dir(), torch::kFloat32);
+  const std::string saved = (*dir_) / "saved";
+  save_hf_model_dir(model, saved, model_dir());
+  const auto config = nlohmann::json::parse(std::ifstream(std::filesystem::path(saved) / "config.json"));
+  EXPECT_FALSE(config.contains("quantization_config")) << config.dump(2);
+  const auto tensors = load_tensors(std::filesystem::path(saved) / "model.safetensors");
+  ASSERT_TRUE(tensors.count("model.layers.0.mlp.experts.gate_up_proj"));
+  EXPECT_FALSE(tensors.count("model.layers.0.mlp.experts.gate_up_proj_blocks"));
+  const std::string out = (*dir_) / "saved_logits.safetensors";
+  ASSERT_TRUE(run_referee("hf_referee.py", {"logits", "--model", saved, "--out", out, "--ids",
+                                            (*dir_) / "reference.safetensors", "--new-tokens", "0"}));
+  const double d = max_abs_diff(load_tensors(out).at("logits.float32"), ref("logits"));
+  EXPECT_LE(d, kFp32Tolerance);
+  std::printf("mxfp4 checkpoint saved by replica, loaded by transformers: logits max|diff| %.3g\n", d);
+}
+
 TEST_F(GptOssMxfp4Checkpoint, MisshapenOrMissingScalesAreErrorsNamingTensorAndFile) {
   ASSERT_NE(ref_, nullptr);
   const std::string down = "model.layers.0.mlp.experts.down_proj";
@@ -205,7 +226,7 @@ TEST_F(GptOssMxfp4Checkpoint, MisshapenOrMissingScalesAreErrorsNamingTensorAndFi
   EXPECT_NE(message.find("[4, 64, 64]"), std::string::npos) << message;
   std::printf("pair unlike config.json: %s\n", message.c_str());
 
-  // A scales tensor gone (and from the index): the weight is missing, by name.
+  // A scales tensor gone (and from the index): the weight's blocks without their scales, by name.
   const auto missing = edited_copy(model_dir(), (*dir_) / "missing_scales", [&](replica::io::NamedTensors& ts) {
     ts.erase(std::remove_if(ts.begin(), ts.end(), [&](const auto& item) { return item.first == down + "_scales"; }),
              ts.end());
@@ -221,7 +242,7 @@ TEST_F(GptOssMxfp4Checkpoint, MisshapenOrMissingScalesAreErrorsNamingTensorAndFi
   }
   message = error_of([&] { load_hf_model(missing, torch::kFloat32); });
   EXPECT_NE(message.find(down), std::string::npos) << message;
-  EXPECT_NE(message.find("missing"), std::string::npos) << message;
+  EXPECT_NE(message.find("has its _blocks but no _scales"), std::string::npos) << message;
   std::printf("scales missing: %s\n", message.c_str());
 }
 

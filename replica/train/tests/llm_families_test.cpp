@@ -153,7 +153,9 @@ std::vector<double> losses_of(const fs::path& project) {
 
 // One world-2 run: SGD (so that DDP and ZeRO-3 give the same numbers to rounding), packed rows
 // of 64 tokens, 8 steps.
-Result train(const std::string& family, const std::string& name, const std::string& backend, bool peft) {
+// `more` flags come last (a later flag wins).
+Result train(const std::string& family, const std::string& name, const std::string& backend, bool peft,
+             const std::vector<std::string>& more = {}) {
   const fs::path project = fixture().root / name;
   std::vector<std::string> args = {"llm", "--train", "--model", fixture().models.at(family), "--data-path",
                                    fixture().demo.data_dir, "--project-name", project.string(), "--trainer", "sft",
@@ -163,6 +165,7 @@ Result train(const std::string& family, const std::string& name, const std::stri
                                    "--gradient-accumulation", "1", "--max-steps", "8", "--warmup-ratio", "0",
                                    "--checkpoint-every", "0", "--logging-steps", "1", "--lora-dropout", "0"};
   if (peft) args.push_back("--peft");
+  args.insert(args.end(), more.begin(), more.end());
   return replica_run(args);
 }
 
@@ -240,3 +243,67 @@ TEST_P(LlmFamilies, FullFineTuningAtWorldTwoWithDdpAndZero3) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, LlmFamilies, ::testing::Values("olmo2", "olmo3", "gemma3_text", "gpt_oss"));
+
+// GPT-OSS's router load-balancing loss in training (router_aux_loss_coef), full fine-tuning
+// with activation checkpointing (the default) so that the router itself trains: the loss is
+// the token mean plus the coefficient times the load-balancing loss averaged over the step's
+// forwards, so world 2 with one row each is world 1 accumulating the same two rows, and
+// ZeRO-3 is DDP; the term changes the router's weights and adds to the logged loss.
+TEST(LlmMoe, RouterLoadBalancingLossAtWorldTwoEqualsAccumulationAndZero3) {
+  ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built";
+  ASSERT_NO_THROW(fixture());
+  const std::vector<std::string> rows = {"--batch-size", "1", "--max-steps", "4"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), rows.begin(), rows.end());
+    return more;
+  };
+  const std::vector<std::string> aux = {"--router-aux-loss-coef", "0.5"};
+  struct RunSpec {
+    std::string name, backend;
+    std::vector<std::string> more;
+  };
+  const std::vector<RunSpec> runs = {
+      {"moe_aux_ddp", "ddp", with(aux)},
+      {"moe_aux_zero3", "zero3", with(aux)},
+      {"moe_aux_world1", "ddp", with({"--router-aux-loss-coef", "0.5", "--nproc-per-node", "1",
+                                      "--gradient-accumulation", "2"})},
+      {"moe_plain_ddp", "ddp", with({})},
+  };
+  std::map<std::string, std::map<std::string, torch::Tensor>> weights;
+  std::map<std::string, std::vector<double>> losses;
+  for (const auto& run : runs) {
+    const Result r = train("gpt_oss", run.name, run.backend, false, run.more);
+    ASSERT_EQ(r.exit_code, 0) << r;
+    if (run.name != "moe_plain_ddp") {
+      EXPECT_NE(r.err.find("load-balancing loss x 0.5 added"), std::string::npos) << r;
+    }
+    weights[run.name] = load_tensors(fixture().root / run.name / "final" / "model.safetensors");
+    losses[run.name] = losses_of(fixture().root / run.name);
+    ASSERT_EQ(losses[run.name].size(), 4u) << run.name;
+  }
+  const auto& ddp = weights["moe_aux_ddp"];
+  const double zero3 = max_abs_diff(ddp, weights["moe_aux_zero3"]);
+  const double world1 = max_abs_diff(ddp, weights["moe_aux_world1"]);
+  EXPECT_LE(zero3, 1e-5);
+  EXPECT_LE(world1, 1e-5);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_NEAR(losses["moe_aux_ddp"][i], losses["moe_aux_zero3"][i], 1e-5) << i;
+    EXPECT_NEAR(losses["moe_aux_ddp"][i], losses["moe_aux_world1"][i], 1e-5) << i;
+  }
+  // The router's weights move differently with the term; the first step's loss (same weights
+  // on both runs) is higher by 0.5 x the load-balancing loss, about top_k = 2 for balanced
+  // routing (E x sum over the k choices and E experts of 1/E x 1/E), more for unbalanced.
+  double router = 0;
+  for (const auto& [name, t] : ddp) {
+    if (name.find("mlp.router") != std::string::npos) {
+      router = std::max(router, (t - weights["moe_plain_ddp"].at(name)).abs().max().item<double>());
+    }
+  }
+  EXPECT_GT(router, 1e-6);
+  const double added = losses["moe_aux_ddp"][0] - losses["moe_plain_ddp"][0];
+  EXPECT_GT(added, 0.5 * 1.0 - 1e-6);
+  std::cerr << "[gpt_oss] router_aux_loss_coef 0.5, full fine-tuning, 4 steps: ZeRO-3 vs DDP max abs diff " << zero3
+            << ", world 1 x accumulation 2 vs world 2 " << world1 << "; first loss " << losses["moe_aux_ddp"][0]
+            << " vs " << losses["moe_plain_ddp"][0] << " without the term; router weights differ by " << router
+            << "\n";
+}

@@ -5,8 +5,10 @@ hf_referee.py's FAMILY_VARIANTS, made with `hf_referee.py make`.
   grads --model DIR --ref FILE --out FILE
       One training step's loss and gradients: from_pretrained(DIR, dtype=float32) in train
       mode (no dropout in these configs) on FILE's input_ids and labels (hf_referee.py's
-      reference file), loss = ForCausalLMLoss (mean over counted targets), backward. Writes
-      FILE (safetensors): loss [1] and grad.NAME for every parameter the text model trains, NAME
+      reference file), loss = ForCausalLMLoss (mean over counted targets; plus
+      router_aux_loss_coef x the load-balancing loss where the config has output_router_logits),
+      backward. Writes FILE (safetensors): loss [1], aux_loss [1] (the load-balancing loss,
+      without its coefficient, where there is one) and grad.NAME for every parameter the text model trains, NAME
       as replica names it (a gemma3 checkpoint's model.language_model.X is model.X; its vision
       tower and projector are left out). Prints one JSON line.
 
@@ -65,6 +67,9 @@ def grads(args):
     out = model(input_ids=ref["input_ids"].to(torch.int64), labels=ref["labels"].to(torch.int64))
     out.loss.backward()
     tensors = {"loss": out.loss.detach().float().reshape(1)}
+    if getattr(out, "aux_loss", None) is not None:
+        # output_router_logits: loss = ForCausalLMLoss + router_aux_loss_coef x aux_loss
+        tensors["aux_loss"] = out.aux_loss.detach().float().reshape(1)
     for name, p in model.named_parameters():
         mapped = replica_name(name)
         if mapped and p.grad is not None:

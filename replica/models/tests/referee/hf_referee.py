@@ -172,6 +172,23 @@ FAMILY_VARIANTS = {
                                   "truncate": False, "original_max_position_embeddings": 32},
                     attention_bias=True, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2,
                     bos_token_id=1)),
+    # GPT-OSS with the router's load-balancing loss in the training loss (output_router_logits,
+    # router_aux_loss_coef 0.5): 8 experts, top-3, 3 layers.
+    "gpt_oss_aux": dict(
+        cls="GptOssConfig", dtype=torch.float32, seed=41,
+        config=dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                    num_experts_per_tok=3, sliding_window=8, rope_theta=150000.0, output_router_logits=True,
+                    router_aux_loss_coef=0.5, attention_bias=True, tie_word_embeddings=False, pad_token_id=0,
+                    eos_token_id=2, bos_token_id=1)),
+    # GPT-OSS saved in bf16 (as the published checkpoints' non-expert weights are).
+    "gpt_oss_bf16": dict(
+        cls="GptOssConfig", dtype=torch.bfloat16, seed=42,
+        config=dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 32},
+                    attention_bias=True, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2,
+                    bos_token_id=1)),
 }
 VARIANTS.update(FAMILY_VARIANTS)
 
@@ -260,10 +277,14 @@ def compute_logits(model_dir, out, dtypes, ids="", seed=0, batch=2, length=12, n
         tensors["logits." + name] = result.logits.float().contiguous()
         tensors["loss." + name] = result.loss.float().reshape(1)  # ForCausalLMLoss: mean over counted targets
         if new_tokens > 0:
-            # Greedy decoding as transformers does it (KV cache), exactly new_tokens tokens.
+            # Greedy decoding as transformers does it (KV cache), exactly new_tokens tokens. Without
+            # the router's loss: transformers' load_balancing_loss_func fails under a KV cache
+            # (the cached steps' router logits against the whole attention mask).
+            extra = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
             tensors["greedy." + name] = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, num_beams=1,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0).contiguous()
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                **extra).contiguous()
         info["attn_implementation"] = model.config._attn_implementation
         if name != "float32":
             # Below fp32 the attention kernels round differently: also the eager path (what
