@@ -9,10 +9,10 @@
 // decoder layers recomputed in backward (set_gradient_checkpointing), LoRA on q/k/v/o and
 // gate/up/down (models/lora.h, PEFT's initialisation and names), the trainer's AdamW
 // (train/optim.h make_optimizer: FusedAdamW) over the adapters, the C allocator told to keep freed
-// memory before the model is built, as the trainer does (--keep-freed-memory after-build: once
-// it is built; off: glibc's defaults). Over a quantized base the setting's place matters: set
-// before the build, the freed full-precision weights and the quantizer's temporaries stay
-// resident (glibc returns nothing), and the process holds more than with an unquantized base.
+// memory once the model is built, as the trainer does (--keep-freed-memory before-build: before
+// it; off: glibc's defaults). Over a quantized base the setting's place matters: set before the
+// build, the freed full-precision weights and the quantizer's temporaries stay resident (glibc
+// returns nothing), and the process holds more than with an unquantized base.
 // --dtype bf16: the frozen base in bf16, the adapters fp32, forward under bf16 autocast (llm-sft
 // with mixed_precision: bf16 and peft); fp32: everything fp32.
 // Prints one line of key=value; the memory keys are bench/memory_llm.py's (see there):
@@ -120,9 +120,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--no-checkpointing", no_checkpointing, "Gradient checkpointing off");
   app.add_option("--keep-freed-memory", keep_freed,
-                 "keep_freed_memory_in_process (the trainer's allocator setting): trainer (before the model is "
-                 "built, as run_worker calls it), after-build, or off")
-      ->check(CLI::IsMember({"trainer", "after-build", "off"}))
+                 "keep_freed_memory_in_process (the trainer's allocator setting): trainer (once the model is "
+                 "built, as run_worker calls it), before-build, or off")
+      ->check(CLI::IsMember({"trainer", "before-build", "off"}))
       ->capture_default_str();
   app.add_option("--max-rss-gib", max_rss_gib, "Stop (exit 3) when RSS passes this, or MemAvailable < 1 GiB");
   CLI11_PARSE(app, argc, argv);
@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
     if (device.is_cuda()) torch::cuda::synchronize();
   };
   replica::set_compute_threads(threads);
-  if (keep_freed == "trainer") replica::keep_freed_memory_in_process();
+  if (keep_freed == "before-build") replica::keep_freed_memory_in_process();
   const double rss_base = rss_mib();
 
   torch::manual_seed(0);
@@ -194,7 +194,7 @@ int main(int argc, char** argv) {
     }
   }
   model->to(device);
-  if (keep_freed == "after-build") replica::keep_freed_memory_in_process();
+  if (keep_freed == "trainer") replica::keep_freed_memory_in_process();
   model->train();
   model->model->set_gradient_checkpointing(!no_checkpointing);
   replica::models::LoraConfig lora;

@@ -219,32 +219,33 @@ int64_t chunk_of(const ProcessGroup& pg, const torch::Tensor& tensor) {
 }  // namespace
 
 Work ProcessGroup::reduce_scatter_sum(torch::Tensor& tensor, const char* file, int line) {
-  if (size() <= 1) return Work();
-  if (!(shares_memory() && ShmTransport::supports(tensor))) {
-    if (tensor.dim() == 1 && tensor.numel() > 0 && backend_takes(tensor)) {
-      const int64_t chunk = chunk_of(*this, tensor);
-      return monitored(monitor_, "reduce-scatter", tensor, file, line, [&] { return backend_reduce_scatter_sum(tensor, chunk, 1.0); });
-    }
-    return allreduce_sum(tensor, file, line);
-  }
-  return monitored(monitor_, "reduce-scatter", tensor, file, line,
-                   [&] { return shm_->submit(tensor, ShmTransport::Op::kReduceScatter); });
+  return reduce_scatter(tensor, 1.0, file, line);
 }
 
 Work ProcessGroup::reduce_scatter_average(torch::Tensor& tensor, const char* file, int line) {
+  return reduce_scatter(tensor, static_cast<double>(size()), file, line);
+}
+
+// The sum across ranks divided by `divisor`, at least in this rank's shard: the shared-memory
+// transport's reduce-scatter, else the backend's own where it takes the tensor (Note [native
+// reduce-scatter and all-gather] in c10d_compat.cpp), else an all-reduce of the whole tensor.
+Work ProcessGroup::reduce_scatter(torch::Tensor& tensor, double divisor, const char* file, int line) {
   if (size() <= 1) return Work();
-  if (!(shares_memory() && ShmTransport::supports(tensor))) {
-    if (tensor.dim() == 1 && tensor.numel() > 0 && backend_takes(tensor)) {
-      const int64_t chunk = chunk_of(*this, tensor);
-      return monitored(monitor_, "reduce-scatter", tensor, file, line, [&] { return backend_reduce_scatter_sum(tensor, chunk, static_cast<double>(size())); });
-    }
-    torch::NoGradGuard no_grad;
-    tensor.div_(size());
-    return allreduce_sum(tensor, file, line);
+  if (shares_memory() && ShmTransport::supports(tensor)) {
+    return monitored(monitor_, "reduce-scatter", tensor, file, line, [&] {
+      return shm_->submit(tensor, ShmTransport::Op::kReduceScatter, static_cast<float>(divisor));
+    });
   }
-  const float divisor = static_cast<float>(size());
-  return monitored(monitor_, "reduce-scatter", tensor, file, line,
-                   [&] { return shm_->submit(tensor, ShmTransport::Op::kReduceScatter, divisor); });
+  if (tensor.dim() == 1 && tensor.numel() > 0 && backend_takes(tensor)) {
+    const int64_t chunk = chunk_of(*this, tensor);
+    return monitored(monitor_, "reduce-scatter", tensor, file, line,
+                     [&] { return backend_reduce_scatter_sum(tensor, chunk, divisor); });
+  }
+  if (divisor != 1.0) {
+    torch::NoGradGuard no_grad;
+    tensor.div_(divisor);
+  }
+  return allreduce_sum(tensor, file, line);
 }
 
 Work ProcessGroup::all_gather_shards(torch::Tensor& tensor, const char* file, int line) {

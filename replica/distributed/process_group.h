@@ -156,6 +156,7 @@ class ProcessGroup {
   // falls back to an all-reduce through the staging device).
   bool backend_takes(const torch::Tensor& tensor) const;
   Work backend_reduce_scatter_sum(torch::Tensor& tensor, int64_t chunk, double divisor);
+  Work reduce_scatter(torch::Tensor& tensor, double divisor, const char* file, int line);
   Work backend_all_gather(torch::Tensor& tensor, int64_t chunk);
 
   WorldInfo world_;

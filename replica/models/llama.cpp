@@ -465,17 +465,8 @@ RotaryEmbedding::RotaryEmbedding(const LlamaConfig& config) {
     inv_freq_ = default_inv_freq(dim, config.rope_theta) / config.rope_scaling->factor;
   } else {
     // _compute_yarn_parameters (models/rope_yarn.h), with its attention factor on cos/sin.
-    const RopeScaling& r = *config.rope_scaling;
-    YarnScaling yarn;
-    yarn.factor = r.factor;
-    yarn.beta_fast = r.beta_fast;
-    yarn.beta_slow = r.beta_slow;
-    yarn.attention_factor = r.attention_factor;
-    yarn.mscale = r.mscale;
-    yarn.mscale_all_dim = r.mscale_all_dim;
-    yarn.original_max_position_embeddings = r.original_max_position_embeddings;
-    yarn.truncate = r.truncate;
-    std::tie(inv_freq_, attention_scaling_) = yarn_inv_freq(yarn, config.rope_theta, dim, config.max_position_embeddings);
+    std::tie(inv_freq_, attention_scaling_) =
+        yarn_inv_freq(*config.rope_scaling, config.rope_theta, dim, config.max_position_embeddings);
   }
 }
 

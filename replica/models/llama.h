@@ -38,6 +38,7 @@
 #include "replica/models/layer_hooks.h"
 #include "replica/models/lora.h"
 #include "replica/models/moe.h"
+#include "replica/models/rope_yarn.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -56,16 +57,12 @@ namespace replica::models {
 //   linear  {"rope_type": "linear", "factor": 8.0} (Gemma 3): inv_freq / factor
 //   yarn    {"rope_type": "yarn", "factor": ..., "original_max_position_embeddings", "beta_fast",
 //            "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"} (Olmo 3)
-struct RopeScaling {
+// The frequency scaling fields (factor, original_max_position_embeddings and YaRN's own) are
+// YarnScaling's (rope_yarn.h), so that a yarn config is handed to yarn_inv_freq as it is.
+struct RopeScaling : YarnScaling {
   std::string rope_type = "llama3";
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;  // yarn: max_position_embeddings when absent
-  std::optional<double> attention_factor;           // yarn: cos/sin scale (else from factor, mscale)
-  double beta_fast = 32.0, beta_slow = 1.0;
-  std::optional<double> mscale, mscale_all_dim;
-  bool truncate = true;
+  double low_freq_factor = 1.0;   // llama3
+  double high_freq_factor = 4.0;  // llama3
 };
 
 // The fields of config.json the network depends on. Defaults are transformers' LlamaConfig

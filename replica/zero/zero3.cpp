@@ -330,11 +330,18 @@ void Zero3::on_grad_ready(size_t group) {
 // a parameter without a gradient counts as zeros.
 void Zero3::reduce(Group& g) {
   torch::NoGradGuard no_grad;
-  const int64_t world = pg_->size();
-  const int64_t lo = pg_->rank() * g.info.shard, hi = lo + g.info.shard;
   torch::Tensor& master_grad = g.master.mutable_grad();
   if (!master_grad.defined()) master_grad = torch::zeros_like(g.master);
-  if (reduce_native(g, master_grad)) return;
+  if (!reduce_native(g, master_grad)) reduce_all(g, master_grad);
+  g.reduced = true;
+  if (!hold_all_) release(g);
+}
+
+// The all-reduce path of reduce (the shared-memory transport's): every parameter's gradient
+// all-reduced, this worker's slice of each added to the master shard's gradient.
+void Zero3::reduce_all(Group& g, torch::Tensor& master_grad) {
+  const int64_t world = pg_->size();
+  const int64_t lo = pg_->rank() * g.info.shard, hi = lo + g.info.shard;
   std::vector<torch::Tensor> grads(g.params.size());
   std::vector<distributed::Work> works(g.params.size());
   int64_t grad_bytes = 0;
@@ -354,8 +361,6 @@ void Zero3::reduce(Group& g) {
     if (a < b) master_grad.narrow(0, a - lo, b - a).add_(grads[i].view(-1).narrow(0, a - begin, b - a), 1.0 / world);
     grads[i] = torch::Tensor();
   }
-  g.reduced = true;
-  if (!hold_all_) release(g);
 }
 
 // Without the shared-memory transport: the group's gradients flattened into its N x S layout
@@ -375,8 +380,6 @@ bool Zero3::reduce_native(Group& g, torch::Tensor& master_grad) {
   stats_.peak_transient_grad_bytes = std::max(stats_.peak_transient_grad_bytes, flat.numel() * 4);
   pg_->reduce_scatter_chunks(flat, g.info.shard, static_cast<double>(world)).wait();
   master_grad.add_(flat.narrow(0, pg_->rank() * g.info.shard, g.info.shard));
-  g.reduced = true;
-  if (!hold_all_) release(g);
   return true;
 }
 

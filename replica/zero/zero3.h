@@ -149,6 +149,7 @@ class Zero3 : private models::LayerHooks {
   void release(Group& g);
   void reduce(Group& g);
   bool reduce_native(Group& g, torch::Tensor& master_grad);
+  void reduce_all(Group& g, torch::Tensor& master_grad);
   void on_grad_ready(size_t group);
   void finalize_backward();
   void queue_finalize();
