@@ -1,7 +1,9 @@
 // The ZeRO keys (zero_stage, offload_*, nvme_path) and `deepspeed: ds_config.json`: what each
 // field becomes, "auto", conflicts with the YAML file, and the errors naming a field.
 #include "replica/core/error.h"
+#include "replica/testing/program_runner.h"
 #include "replica/train/run_config.h"
+#include "replica/train/tests/parse_error.h"
 
 #include <gtest/gtest.h>
 
@@ -10,18 +12,17 @@
 
 namespace fs = std::filesystem;
 using namespace replica::train;
+using replica::train::testing::parse_error_of;
 
 namespace {
 
-class DeepSpeedConfig : public ::testing::Test {
+class DeepSpeedConfig : public replica::testing::ScratchDirTest {
  protected:
+  DeepSpeedConfig() : ScratchDirTest("replica-ds") {}
   void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "replica_ds_XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
+    ScratchDirTest::SetUp();
     fs::create_directories(dir_ / "data");
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   std::string write_json(const std::string& text, const std::string& name = "ds_config.json") const {
     const fs::path file = dir_ / name;
@@ -41,17 +42,7 @@ class DeepSpeedConfig : public ::testing::Test {
         (dir_ / "data").string(), params_lines);
   }
 
-  static std::string error_of(const std::string& text) {
-    try {
-      parse_config(text, "run.yaml");
-    } catch (const replica::Error& e) {
-      return e.what();
-    }
-    ADD_FAILURE() << "parsed without error:\n" << text;
-    return "";
-  }
-
-  fs::path dir_;
+  static std::string error_of(const std::string& text) { return parse_error_of(text); }
 };
 
 // The ZeRO-3 config of the transformers documentation (with offload), as users have it.

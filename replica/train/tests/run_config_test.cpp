@@ -2,7 +2,9 @@
 
 #include "replica/core/error.h"
 #include "replica/core/suggest.h"
+#include "replica/testing/program_runner.h"
 #include "replica/train/task.h"
+#include "replica/train/tests/parse_error.h"
 
 #include <gtest/gtest.h>
 
@@ -13,32 +15,23 @@
 namespace fs = std::filesystem;
 using namespace replica::train;
 using replica::did_you_mean;
+using replica::train::testing::parse_error_of;
 
 namespace {
 
-class ConfigTest : public ::testing::Test {
+class ConfigTest : public replica::testing::ScratchDirTest {
  protected:
+  ConfigTest() : ScratchDirTest("replica-cfg") {}
   void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "replica_cfg_XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
+    ScratchDirTest::SetUp();
     data_ = (dir_ / "data").string();
     model_ = (dir_ / "tiny-llama").string();
     fs::create_directories(data_);
     fs::create_directories(model_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   // parse_config's replica::Error message; fails the test when the text parses.
-  static std::string error_of(const std::string& yaml) {
-    try {
-      parse_config(yaml, "run.yaml");
-    } catch (const replica::Error& e) {
-      return e.what();
-    }
-    ADD_FAILURE() << "parsed without error:\n" << yaml;
-    return "";
-  }
+  static std::string error_of(const std::string& yaml) { return parse_error_of(yaml); }
 
   // A valid image-classification config; `params_lines` go on from line 7, under params:.
   std::string image_yaml(const std::string& params_lines = "") const {
@@ -66,7 +59,6 @@ class ConfigTest : public ::testing::Test {
         model_, data_, params_lines.empty() ? "  peft: true\n" : params_lines);
   }
 
-  fs::path dir_;
   std::string data_;
   std::string model_;
 };
