@@ -4,7 +4,7 @@
 // usage: bench_memory_llm [--device cpu|cuda] [--dtype fp32|bf16] [--quantization none|int4|int8]
 //          [--hidden 1024 --layers 24 --heads 16 --kv-heads 8 --intermediate 2816 --vocab 32000]
 //          [--seq 2048 --batch 1 --steps 3 --warmup 1 --threads 1] [--r 16 --alpha 32 --lora-dropout 0.05]
-//          [--no-checkpointing] [--keep-freed-memory trainer|after-build|off] [--max-rss-gib G]
+//          [--no-checkpointing] [--keep-freed-memory trainer|before-build|off] [--max-rss-gib G]
 // Built with replica's own API, as llm-sft builds it: LlamaForCausalLM (models/llama.h) with its
 // decoder layers recomputed in backward (set_gradient_checkpointing), LoRA on q/k/v/o and
 // gate/up/down (models/lora.h, PEFT's initialisation and names), the trainer's AdamW
