@@ -58,10 +58,6 @@ void set_compute_threads(int threads) {
 
 void keep_freed_memory_in_process() {
 #if defined(__GLIBC__)
-  // What was freed before (a model's load: a quantized base's full-precision weights and the
-  // quantizer's temporaries, fragments of glibc's heap) goes back to the system first; only the
-  // blocks freed from here on stay.
-  malloc_trim(0);
   mallopt(M_MMAP_MAX, 0);              // large blocks come from the heap, not per-block mmaps
   mallopt(M_TRIM_THRESHOLD, INT_MAX);  // and stay there when freed, for the next step
 #endif

@@ -27,8 +27,7 @@ void set_compute_threads(int threads);
 // on free, so a training step pays a page fault and a kernel zero-fill per 4 KiB of every
 // large tensor it creates: measured here, 44% of the CPU time of a world-1 step of MLP-54M and
 // 8% of MLP-1.8M. Training reuses the same sizes every step, so the retained memory is the
-// step's own peak, not growth. Memory freed before the call is returned to the system first
-// (malloc_trim), so a model's load leaves nothing behind. Idempotent; a no-op outside glibc.
+// step's own peak, not growth. Idempotent; a no-op outside glibc.
 void keep_freed_memory_in_process();
 
 // "SIGKILL", "SIGSEGV", ... for a signal number ("signal 42" when unnamed).
