@@ -29,6 +29,12 @@ namespace {
 // reductions see them in the outer pass, in order. ZeRO-3's PreBackward node sits on this
 // node's output, so the layer's parameters are gathered before the forward runs again.
 //
+// A layer may have several outputs (recomputed_outputs: a mixture-of-experts layer's hidden
+// states and router scores). Each is one output of the node; autograd runs the node once, when
+// every output that reached the loss has its gradient (the hidden states' through ZeRO-3's
+// PreBackward, so the gather still comes first), and the recomputation differentiates the
+// outputs that got one together.
+//
 // The layer's buffers are put back as they were before the recomputation: a forward in train
 // mode updates state as a side effect (BatchNorm's running mean and variance, its batch
 // count), and the first forward already did that once. They are written back through
