@@ -705,19 +705,15 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
         return out;
       }
       // The closure keeps what the recomputation in backward needs (the layer, cos, sin, mask).
-      if (!collect) {
-        return recomputed(*layer, [layer, c, s, mask](const torch::Tensor& x) {
-          return layer->as<LlamaDecoderLayerImpl>()->forward(x, c, s, mask);
-        }, h);
-      }
-      // The router scores as a second output of the checkpointed layer, so that the
+      // Collected router scores are a second output of the checkpointed layer, so that the
       // load-balancing loss's gradient reaches the router through the recomputation too.
-      auto outs = recomputed_outputs(*layer, [layer, c, s, mask](const torch::Tensor& x) {
+      auto outs = recomputed_outputs(*layer, [layer, c, s, mask, collect](const torch::Tensor& x) {
         auto* d = layer->as<LlamaDecoderLayerImpl>();
-        auto y = d->forward(x, c, s, mask);
-        return std::vector<torch::Tensor>{y, d->router_scores()};
+        std::vector<torch::Tensor> out{d->forward(x, c, s, mask)};
+        if (collect) out.push_back(d->router_scores());
+        return out;
       }, h);
-      router_scores_.push_back(outs[1]);
+      if (collect) router_scores_.push_back(outs[1]);
       return outs[0];
     });
   }
@@ -739,7 +735,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config, torch::Sca
   }
   checkpoint_dtype_ = dtype;
   model = register_module("model", LlamaModel(config, dtype, init));
-  model->set_collect_router_scores(config.output_router_logits && config.num_local_experts > 0);
+  model->set_collect_router_scores(config.output_router_logits);
   if (!config.tie_word_embeddings) {
     lm_head = register_module("lm_head", LoraLinear(config.hidden_size, config.vocab_size, false, dtype, init,
                                                     config.initializer_range));
@@ -823,13 +819,13 @@ void LlamaForCausalLMImpl::set_router_aux_loss(double coef) {
   }
   config_.output_router_logits = coef > 0;
   config_.router_aux_loss_coef = coef > 0 ? coef : config_.router_aux_loss_coef;
-  model->set_collect_router_scores(config_.output_router_logits && config_.num_local_experts > 0);
+  model->set_collect_router_scores(config_.output_router_logits);
 }
 
 torch::Tensor LlamaForCausalLMImpl::router_aux_loss(const torch::Tensor& token_mask) const {
   if (!config_.output_router_logits || model->router_scores().empty()) return {};
   return load_balancing_loss(model->router_scores(), config_.num_local_experts, config_.num_experts_per_tok,
-                             token_mask.defined() ? token_mask.reshape(-1) : token_mask) *
+                             token_mask) *
          config_.router_aux_loss_coef;
 }
 

@@ -272,7 +272,8 @@ class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
   void set_gradient_checkpointing(bool on) { recompute_layers_ = on; }
   bool gradient_checkpointing() const { return recompute_layers_; }
   // Keep every mixture-of-experts layer's router scores of each forward (router_scores()),
-  // differentiable also under checkpointing, for the load-balancing loss.
+  // differentiable also under checkpointing, for the load-balancing loss (a model without
+  // experts collects nothing).
   void set_collect_router_scores(bool on) { collect_router_scores_ = on; }
   // The last forward's router scores, one [B T, E] per layer (empty unless collected).
   const std::vector<torch::Tensor>& router_scores() const { return router_scores_; }

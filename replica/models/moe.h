@@ -86,7 +86,8 @@ TORCH_MODULE(MoeMlp);
 // transformers' load_balancing_loss_func (Switch Transformer, eqs. 4-6) over every layer's
 // router scores ([N, E] each, concatenated): softmax over the scores, the top-k experts per
 // token; E * sum_e (fraction of tokens routed to e) * (mean probability of e). `token_mask`
-// [N] (1 = a real token) restricts both means to real tokens; undefined: every token.
+// ([N], or [B, T] with B T = N; 1 = a real token) restricts both means to real tokens;
+// undefined: every token.
 torch::Tensor load_balancing_loss(const std::vector<torch::Tensor>& router_scores, int64_t num_experts,
                                   int64_t top_k, const torch::Tensor& token_mask = {});
 
