@@ -100,6 +100,14 @@ FAMILY_COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_a
                      max_position_embeddings=128)
 WINDOW_LENGTH = 24  # the test sequences: three windows long
 
+# The GPT-OSS variants' shared config (gpt_oss; gpt_oss_aux and gpt_oss_bf16 change a few fields).
+GPT_OSS_CONFIG = dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                      num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 32},
+                      attention_bias=True, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2,
+                      bos_token_id=1)
+
 FAMILY_VARIANTS = {
     # Mistral and Qwen2 with a window of 8: every layer slides (Mistral), the layers from
     # max_window_layers on (Qwen2 with use_sliding_window).
@@ -164,31 +172,15 @@ FAMILY_VARIANTS = {
                     mm_tokens_per_image=4)),
     # GPT-OSS (issue 19): 4 experts, top-2, attention sinks, q/k/v/o bias, YaRN (not
     # truncated, as GPT-OSS ships it), alternating sliding (window 8) and full layers, GQA.
-    "gpt_oss": dict(
-        cls="GptOssConfig", dtype=torch.float32, seed=40,
-        config=dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                    num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
-                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                  "truncate": False, "original_max_position_embeddings": 32},
-                    attention_bias=True, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2,
-                    bos_token_id=1)),
+    "gpt_oss": dict(cls="GptOssConfig", dtype=torch.float32, seed=40, config=GPT_OSS_CONFIG),
     # GPT-OSS with the router's load-balancing loss in the training loss (output_router_logits,
     # router_aux_loss_coef 0.5): 8 experts, top-3, 3 layers.
-    "gpt_oss_aux": dict(
-        cls="GptOssConfig", dtype=torch.float32, seed=41,
-        config=dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-                    num_experts_per_tok=3, sliding_window=8, rope_theta=150000.0, output_router_logits=True,
-                    router_aux_loss_coef=0.5, attention_bias=True, tie_word_embeddings=False, pad_token_id=0,
-                    eos_token_id=2, bos_token_id=1)),
-    # GPT-OSS saved in bf16 (as the published checkpoints' non-expert weights are).
-    "gpt_oss_bf16": dict(
-        cls="GptOssConfig", dtype=torch.bfloat16, seed=42,
-        config=dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
-                    num_experts_per_tok=2, sliding_window=8, rope_theta=150000.0,
-                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                  "truncate": False, "original_max_position_embeddings": 32},
-                    attention_bias=True, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2,
-                    bos_token_id=1)),
+    "gpt_oss_aux": dict(cls="GptOssConfig", dtype=torch.float32, seed=41,
+                        config=dict(GPT_OSS_CONFIG, num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=3,
+                                    output_router_logits=True, router_aux_loss_coef=0.5)),
+    # GPT-OSS saved in bf16 (as the published checkpoints' non-expert weights are), one KV head.
+    "gpt_oss_bf16": dict(cls="GptOssConfig", dtype=torch.bfloat16, seed=42,
+                         config=dict(GPT_OSS_CONFIG, num_key_value_heads=1)),
 }
 VARIANTS.update(FAMILY_VARIANTS)
 

@@ -43,12 +43,17 @@ Prints one JSON line.
 import argparse
 import json
 import os
+import sys
 
 import torch
 from safetensors.torch import save_file
 
 import transformers
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
+
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_referee import randomize  # noqa: E402
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1 magnitudes, codes 0..7 (8..15: negative)
 LENGTH = 24
@@ -102,18 +107,13 @@ def main():
 
     config = GptOssConfig(**CONFIG)
     model = AutoModelForCausalLM.from_config(config).float()
-    # Larger than _init_weights (std 0.02 gives near-uniform logits), norms around 1,
-    # non-zero biases: every parameter shows in the logits.
+    # hf_referee's weights (every parameter shows in the logits), the experts twice as large:
+    # their FP4 codes then span more of the format.
+    randomize(model, g)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                p.mul_(2.0)
 
     ref = {}
     tensors = {}
