@@ -2,6 +2,7 @@
 // sequence 2048, gradient checkpointing on, against transformers + peft on the same model
 // (bench/memory_llm.py; bench/memory_compare.sh runs both and prints the ratios).
 // usage: bench_memory_llm [--device cpu|cuda] [--dtype fp32|bf16] [--quantization none|int4|int8]
+//          [--quantize-embeddings]
 //          [--hidden 1024 --layers 24 --heads 16 --kv-heads 8 --intermediate 2816 --vocab 32000]
 //          [--seq 2048 --batch 1 --steps 3 --warmup 1 --threads 1] [--r 16 --alpha 32 --lora-dropout 0.05]
 //          [--no-checkpointing] [--keep-freed-memory trainer|before-build|off] [--max-rss-gib G]
@@ -19,8 +20,8 @@
 // rss_base_mib, rss_model_mib, peak_rss_mib, step_peak_rss_mib, base_mib, base_vs_fp16,
 // state_mib, and on CUDA cuda_peak_alloc_mib / cuda_peak_reserved_mib. With --quantization,
 // base_mib counts the codes and statistics (lora.h base_memory), base_vs_fp16 is the whole base
-// (embeddings, lm_head and norms stay unquantized) against fp16, and quantized_vs_fp16 the
-// quantized decoder linears alone.
+// (embeddings, lm_head and norms stay unquantized, the first two quantized as well with
+// --quantize-embeddings) against fp16, and quantized_vs_fp16 the quantized weights alone.
 #include "replica/core/cuda.h"
 #include "replica/core/system.h"
 #include "replica/models/llama.h"
@@ -94,7 +95,7 @@ int main(int argc, char** argv) {
   int64_t hidden = 1024, layers = 24, heads = 16, kv_heads = 8, intermediate = 2816, vocab = 32000;
   int seq = 2048, batch = 1, steps = 3, warmup = 1, threads = 1, r = 16;
   double alpha = 32, lora_dropout = 0.05, max_rss_gib = 0;
-  bool no_checkpointing = false;
+  bool no_checkpointing = false, quantize_embeddings = false;
   std::string device_name = "cpu", dtype = "fp32", quantization = "none", keep_freed = "trainer";
   CLI::App app{"Peak memory and tokens/s of a LoRA SFT step (bench/memory_llm.py is the transformers + peft side)"};
   app.add_option("--hidden", hidden, "hidden_size")->capture_default_str();
@@ -118,6 +119,8 @@ int main(int argc, char** argv) {
   app.add_option("--quantization", quantization, "none, int4 or int8: the frozen base quantized")
       ->check(CLI::IsMember({"none", "int4", "int8"}))
       ->capture_default_str();
+  app.add_flag("--quantize-embeddings", quantize_embeddings,
+               "with --quantization: the embeddings and lm_head quantized too (llm-sft's quantize_embeddings)");
   app.add_flag("--no-checkpointing", no_checkpointing, "Gradient checkpointing off");
   app.add_option("--keep-freed-memory", keep_freed,
                  "keep_freed_memory_in_process (the trainer's allocator setting): trainer (once the model is "
@@ -153,6 +156,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_memory_llm: --device cuda but no GPU is visible\n");
     return 1;
   }
+  if (quantize_embeddings && quantization == "none") {
+    std::fprintf(stderr, "bench_memory_llm: --quantize-embeddings needs --quantization int4 or int8\n");
+    return 2;
+  }
   const bool bf16 = dtype == "bf16";
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize();
@@ -175,7 +182,8 @@ int main(int argc, char** argv) {
   // Quantized: built as load_hf_model builds it (models/hf_model_dir.cpp), with init false (no
   // page of a weight is resident before it is written), each decoder linear's weight drawn and
   // quantized at once so the full-precision model is never resident; the embeddings, lm_head
-  // and norms get HF's init (normal(0, 0.02), ones) and stay as they are.
+  // and norms get HF's init (normal(0, 0.02), ones) and stay as they are (the first two
+  // quantized then with --quantize-embeddings, as the loader does).
   replica::models::LlamaForCausalLM model(config, bf16 ? torch::kBFloat16 : torch::kFloat32, /*init=*/!quantized);
   if (quantized) {
     const auto options = replica::models::quant_options(quantization, "--quantization");
@@ -192,6 +200,7 @@ int main(int argc, char** argv) {
         item.value().normal_(0.0, config.initializer_range);
       }
     }
+    if (quantize_embeddings) model->quantize_embeddings(options);
   }
   model->to(device);
   if (keep_freed == "trainer") replica::keep_freed_memory_in_process();

@@ -106,6 +106,7 @@ Data and model (defaults in brackets):
 
 const char* kLlmFooter = R"(Every params: key of the llm-sft YAML is a flag; --x-y and --x_y are the same flag.
 --quantization int4|int8 (with --peft): QLoRA, the frozen base's decoder linears held in NF4 or int8;
+--quantize-embeddings: the embeddings and lm_head held in that format too (bitsandbytes keeps them in 16 bits);
 with --eval, the adapter is evaluated over the base quantized the same way.
 )";
 

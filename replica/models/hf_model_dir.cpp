@@ -177,6 +177,8 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
   for (const auto& [name, tensor] : params) {
     if (!loaded.count(name)) fail("{}: weight {} is missing from {}", dir, name, fmt::join(files, ", "));
   }
+  // The embeddings and an untied head, once read whole (models/llama.cpp: Note [quantized embeddings]).
+  if (quant.enabled() && quant.embeddings) model->quantize_embeddings(quant);
   model->set_checkpoint_dtype(stored.value_or(torch::kFloat32));
   return model->checkpoint_dtype();
 }

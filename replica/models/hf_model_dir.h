@@ -35,7 +35,8 @@ std::vector<std::string> hf_weight_files(const std::string& dir);
 // dtype the weights were stored in, and records it as the model's checkpoint_dtype.
 // With `quant`, every decoder linear (lora.h: quantizable_linears) is quantized as soon as its
 // weight is read (converted to `dtype` first), so the full-precision model is never resident
-// at once: QLoRA's load_in_4bit / load_in_8bit.
+// at once: QLoRA's load_in_4bit / load_in_8bit. With quant.embeddings, the token embeddings and
+// an untied lm_head are quantized too, once loaded.
 torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir, const QuantOptions& quant = {});
 
 // config.json + weights: a model with parameters in `dtype` (fp32 by default), its decoder

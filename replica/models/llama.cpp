@@ -396,12 +396,45 @@ EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t dim, std::optional<
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
   // F.embedding(ids, weight, padding_idx): a row lookup; the pad row's gradient is dropped.
-  auto out = torch::embedding(weight, ids, padding_idx_);
+  // Quantized: only the looked-up rows are dequantized (frozen: no gradient to drop).
+  auto out = quantized_.defined() ? dequantize_rows(quantized_, ids) : torch::embedding(weight, ids, padding_idx_);
   if (!scale_) return out;
   // Gemma3TextScaledWordEmbedding: embed_scale (an fp32 tensor of sqrt(hidden_size)) cast to
   // the weight's dtype, times the rows.
   auto scale = torch::scalar_tensor(static_cast<float>(*scale_), out.options().dtype(torch::kFloat32));
-  return out * scale.to(weight.scalar_type());
+  return out * scale.to(out.scalar_type());
+}
+
+torch::Tensor EmbeddingImpl::as_head(const torch::Tensor& h) {
+  return quantized_.defined() ? quantized_linear(h, quantized_) : torch::linear(h, weight);
+}
+
+void EmbeddingImpl::quantize_base(const QuantOptions& options) {
+  if (quantized_.defined()) fail("Embedding: the table is already quantized");
+  if (!options.enabled()) fail("Embedding: quantize_base needs a quantization (int4 or int8), got none");
+  quantized_ = quantize(weight, options);
+  parameters_.erase("weight");  // as LoraLinearImpl::quantize_base: nothing sees or steps it
+  weight = torch::Tensor();
+}
+
+torch::Tensor EmbeddingImpl::base_weight() const { return quantized_.defined() ? dequantize(quantized_) : weight; }
+
+void EmbeddingImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(device, dtype, non_blocking);
+  if (quantized_.defined()) {
+    quantized_ = quantized_.to(device, non_blocking);
+    quantized_.dtype = dtype;
+  }
+}
+
+void EmbeddingImpl::to(torch::Dtype dtype, bool non_blocking) {
+  torch::nn::Module::to(dtype, non_blocking);
+  if (quantized_.defined()) quantized_.dtype = dtype;
+}
+
+void EmbeddingImpl::to(torch::Device device, bool non_blocking) {
+  torch::nn::Module::to(device, non_blocking);
+  if (quantized_.defined()) quantized_ = quantized_.to(device, non_blocking);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype, NormStyle style)
@@ -768,7 +801,7 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, cons
   auto h = model(ids, position_ids.defined() ? position_ids.to(torch::kInt64) : position_ids, segment_ids);
   // The output head: hidden -> vocabulary logits (tied: the embedding matrix itself, unscaled).
   auto logits = lm_head.is_empty()
-                    ? run_layer(*model->embed_tokens, [&] { return torch::linear(h, model->embed_tokens->weight); })
+                    ? run_layer(*model->embed_tokens, [&] { return model->embed_tokens->as_head(h); })
                     : run_layer(*lm_head, [&] { return lm_head(h); });
   if (config_.final_logit_softcapping) {
     // Gemma3ForCausalLM: logits / cap, tanh, * cap (in the logits' dtype).
@@ -780,8 +813,7 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, cons
 
 TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const torch::Tensor& labels,
                                          const torch::Tensor& segment_ids, int64_t chunk_tokens) {
-  const bool plain_head = !config_.final_logit_softcapping &&
-                          (lm_head.is_empty() || (!lm_head->has_lora() && !lm_head->base_quantized()));
+  const bool plain_head = !config_.final_logit_softcapping && (lm_head.is_empty() || !lm_head->has_lora());
   // transformers' load-balancing loss counts the tokens of its attention mask: not the pads
   // (segment -1, train/llm_sft.h).
   auto with_aux = [&](TokenLoss parts) {
@@ -801,13 +833,16 @@ TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const t
   // fp32 logits (256 tokens at a 32k vocabulary, 64 at Llama 3's 128k) keeps them small while
   // each chunk's matmul stays large enough to run at full speed.
   if (chunk_tokens <= 0) chunk_tokens = std::max<int64_t>(64, (int64_t{32} << 20) / (4 * config_.vocab_size));
-  // Through the head's layer hook, as forward() goes: ZeRO-3 gathers the head around it.
+  // Through the head's layer hook, as forward() goes: ZeRO-3 gathers the head around it. A
+  // quantized head is dequantized for it (Note [quantized embeddings]).
   auto sum = lm_head.is_empty()
                  ? run_layer(*model->embed_tokens, [&] {
-                     return linear_cross_entropy_sum(flat, model->embed_tokens->weight, {}, targets, chunk_tokens);
+                     return linear_cross_entropy_sum(flat, model->embed_tokens->base_weight(), {}, targets,
+                                                     chunk_tokens);
                    })
                  : run_layer(*lm_head, [&] {
-                     return linear_cross_entropy_sum(flat, lm_head->weight, lm_head->bias, targets, chunk_tokens);
+                     return linear_cross_entropy_sum(flat, lm_head->base_weight(), lm_head->bias, targets,
+                                                     chunk_tokens);
                    });
   return with_aux({sum, (targets != -100).sum()});
 }
@@ -827,6 +862,29 @@ torch::Tensor LlamaForCausalLMImpl::router_aux_loss(const torch::Tensor& token_m
   return load_balancing_loss(model->router_scores(), config_.num_local_experts, config_.num_experts_per_tok,
                              token_mask) *
          config_.router_aux_loss_coef;
+}
+
+// Note [quantized embeddings]
+// bitsandbytes (QLoRA through transformers) quantizes the decoder's linears and leaves the token
+// embeddings and lm_head in 16 bits. Those two are 2 x V x H weights: 19% of a 350M Llama with
+// a 32k vocabulary, 13% of Llama 3.2 3B (128k, tied: one table), 1 GiB each in bf16 for Llama 3
+// 8B. params.quantize_embeddings holds them in the same format as the linears: the embedding's
+// forward dequantizes only the rows it looks up (dequantize_rows), and the head dequantizes per
+// call like any quantized linear (quantized_linear; loss_sum dequantizes the [V, H] matrix once
+// for its chunked cross-entropy, which reads it chunk after chunk). Both are frozen, as with any
+// quantized weight: LoRA trains adapters, none on the embeddings. The cost is accuracy at the
+// head: NF4's error (<= 0.152 x a block's absmax per weight) reaches every logit.
+int LlamaForCausalLMImpl::quantize_embeddings(const QuantOptions& options) {
+  int n = 0;
+  if (!model->embed_tokens->base_quantized()) {
+    model->embed_tokens->quantize_base(options);
+    ++n;
+  }
+  if (!lm_head.is_empty() && !lm_head->base_quantized()) {
+    lm_head->quantize_base(options);
+    ++n;
+  }
+  return n;
 }
 
 std::vector<std::shared_ptr<torch::nn::Module>> LlamaForCausalLMImpl::hooked_layers() {
@@ -888,7 +946,7 @@ double mean_token_loss(LlamaForCausalLM& model, const std::vector<std::vector<in
   const bool was_training = model->is_training();
   model->eval();
   torch::NoGradGuard no_grad;
-  const auto device = model->model->embed_tokens->weight.device();
+  const auto device = model->model->embed_tokens->device();
   double total = 0.0;
   int64_t count = 0;
   try {

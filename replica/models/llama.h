@@ -165,17 +165,35 @@ TORCH_MODULE(RMSNorm);
 // Token embedding: weight [V, H]; rows looked up by id. The pad row (pad_token_id, when the
 // config has one) gets no gradient, like nn.Embedding(padding_idx=pad_token_id) in HF. With
 // `scale`, the rows are multiplied by it, rounded to the weight's dtype first (Gemma 3's
-// Gemma3TextScaledWordEmbedding: sqrt(hidden_size)).
-class EmbeddingImpl : public torch::nn::Module {
+// Gemma3TextScaledWordEmbedding: sqrt(hidden_size)). The table may be held quantized
+// (quantize_base: params.quantize_embeddings), frozen, its looked-up rows dequantized.
+class EmbeddingImpl : public torch::nn::Module, public QuantizedWeightHolder {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding_idx,
                 torch::ScalarType dtype = torch::kFloat32, std::optional<double> scale = std::nullopt);
   torch::Tensor forward(const torch::Tensor& ids);
-  torch::Tensor weight;
+  // h W^T: the table as the tied output head (the quantized weight through quantized_linear).
+  torch::Tensor as_head(const torch::Tensor& h);
+
+  // As LoraLinear::quantize_base: `weight` is released (no longer a parameter, undefined) and
+  // the table held as codes; replica::Error when already quantized or options are none.
+  void quantize_base(const QuantOptions& options);
+  bool base_quantized() const override { return quantized_.defined(); }
+  const QuantizedTensor& quantized_weight() const override { return quantized_; }
+  // `weight`, or the quantized table dequantized (a new tensor, no gradient).
+  torch::Tensor base_weight() const;
+  torch::Device device() const { return quantized_.defined() ? quantized_.device() : weight.device(); }
+  // Module::to, and the quantized table moves with the module (as LoraLinear's).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
+  torch::Tensor weight;  // undefined once quantized
 
  private:
   int64_t padding_idx_ = -1;
   std::optional<double> scale_;
+  QuantizedTensor quantized_;
 };
 TORCH_MODULE(Embedding);
 
@@ -324,8 +342,8 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
                         const torch::Tensor& segment_ids = {});
 
   // causal_lm_loss_sum(forward(input_ids, {}, segment_ids), labels, segment_ids) without the
-  // [B, T, V] logits where the head is a plain matrix (no LoRA adapter on it, not quantized,
-  // no softcapping): the head and its cross-entropy `chunk_tokens` tokens at a time
+  // [B, T, V] logits where the head is a plain matrix (no LoRA adapter on it, no softcapping;
+  // a quantized head is dequantized whole for it, one [V, H] transient): the head and its cross-entropy `chunk_tokens` tokens at a time
   // (chunked_cross_entropy.h; 0: as many as make 32 MiB of fp32 logits, at least 64).
   // Otherwise exactly that expression.
   TokenLoss loss_sum(const torch::Tensor& input_ids, const torch::Tensor& labels,
@@ -333,6 +351,11 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
 
   // The decoder's layers, then lm_head (untied); the tied head reuses embed_tokens.
   std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;
+
+  // Holds the token embeddings and an untied lm_head quantized (`options`; the decoder's
+  // linears are models/lora.h's quantize_base_linears). Frozen from then on: with LoRA only.
+  // Those not yet quantized are; returns how many were.
+  int quantize_embeddings(const QuantOptions& options);
   void set_layer_hooks(LayerHooks* hooks) override;
 
   const LlamaConfig& config() const { return config_; }

@@ -479,12 +479,19 @@ std::vector<std::string> quantize_base_linears(torch::nn::Module& model, const Q
   return names;
 }
 
-bool has_quantized_base(const torch::nn::Module& model) {
-  for (const auto& [name, layer] : lora_linears(model)) {
-    if (layer->base_quantized()) return true;
+namespace {
+// Every module of `model` that holds a quantized weight.
+std::vector<const QuantizedWeightHolder*> quantized_holders(const torch::nn::Module& model) {
+  std::vector<const QuantizedWeightHolder*> out;
+  for (const auto& module : model.modules(/*include_self=*/true)) {
+    const auto* holder = dynamic_cast<const QuantizedWeightHolder*>(module.get());
+    if (holder && holder->base_quantized()) out.push_back(holder);
   }
-  return false;
+  return out;
 }
+}  // namespace
+
+bool has_quantized_base(const torch::nn::Module& model) { return !quantized_holders(model).empty(); }
 
 BaseMemory base_memory(const torch::nn::Module& model) {
   BaseMemory m;
@@ -497,9 +504,8 @@ BaseMemory base_memory(const torch::nn::Module& model) {
   for (const auto& item : model.named_buffers()) {
     m.bytes += item.value().numel() * static_cast<int64_t>(item.value().element_size());
   }
-  for (const auto& [name, layer] : lora_linears(model)) {
-    if (!layer->base_quantized()) continue;
-    const auto& q = layer->quantized_weight();
+  for (const auto* holder : quantized_holders(model)) {
+    const auto& q = holder->quantized_weight();
     m.bytes += q.bytes();
     m.fp16_bytes += 2 * q.numel();
     m.quantized_bytes += q.bytes();

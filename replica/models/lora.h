@@ -23,7 +23,7 @@
 // Quantized base (QLoRA). quantize_base_linears() holds the frozen base weight of every linear
 // layer inside the decoder layers in NF4 or int8 (models/quant.h) and releases the full-
 // precision one; embeddings, lm_head and norms stay as they are, as with bitsandbytes in
-// transformers. The adapters stay fp32 and are saved exactly as over an unquantized base: an
+// transformers (QuantOptions::embeddings quantizes those two as well: models/llama.h). The adapters stay fp32 and are saved exactly as over an unquantized base: an
 // adapter trained over the quantized base loads in PEFT over the unquantized one.
 #pragma once
 
@@ -42,7 +42,7 @@ namespace replica::models {
 
 // A linear layer (PyTorch's nn.Linear parameters: weight [out, in], optional bias [out])
 // that can carry one LoRA adapter.
-class LoraLinearImpl : public torch::nn::Module {
+class LoraLinearImpl : public torch::nn::Module, public QuantizedWeightHolder {
  public:
   // Parameters are allocated in `dtype` and left uninitialised when init is false (a loader
   // overwrites them); otherwise HF's init: weight ~ N(0, init_std), bias zeros.
@@ -66,8 +66,8 @@ class LoraLinearImpl : public torch::nn::Module {
   // to the compute dtype on each call, and backward does again (quantized_linear). The bias is
   // kept as it is. replica::Error when the base is already quantized or options are none.
   void quantize_base(const QuantOptions& options);
-  bool base_quantized() const { return quantized_.defined(); }
-  const QuantizedTensor& quantized_weight() const { return quantized_; }
+  bool base_quantized() const override { return quantized_.defined(); }
+  const QuantizedTensor& quantized_weight() const override { return quantized_; }
   // The base weight's values: `weight`, or the quantized weight dequantized (a new tensor).
   torch::Tensor base_weight() const;
   // Where the base computes (the weight's, or its codes', device).
@@ -163,7 +163,8 @@ std::vector<std::pair<std::string, std::shared_ptr<LoraLinearImpl>>> quantizable
 // Quantizes the base of every quantizable linear that is not quantized yet (quantize_base) and
 // returns their names. Adapters, present or added later, are not touched.
 std::vector<std::string> quantize_base_linears(torch::nn::Module& model, const QuantOptions& options);
-// True when any LoraLinear of `model` holds a quantized base.
+// True when any module of `model` (a LoraLinear, the token embedding: QuantizedWeightHolder)
+// holds a quantized weight.
 bool has_quantized_base(const torch::nn::Module& model);
 
 // What the frozen base holds (adapter weights excluded): every other parameter and buffer, and
@@ -171,9 +172,9 @@ bool has_quantized_base(const torch::nn::Module& model);
 struct BaseMemory {
   int64_t bytes = 0;                 // as held
   int64_t fp16_bytes = 0;            // every base weight at 2 bytes
-  int64_t quantized_bytes = 0;       // the quantized linears' codes and statistics
+  int64_t quantized_bytes = 0;       // the quantized weights' codes and statistics
   int64_t quantized_fp16_bytes = 0;  // those weights at 2 bytes
-  int quantized_layers = 0;
+  int quantized_layers = 0;          // modules holding a quantized weight
 };
 BaseMemory base_memory(const torch::nn::Module& model);
 

@@ -310,6 +310,40 @@ torch::Tensor dequantize(const QuantizedTensor& q, std::optional<torch::ScalarTy
   return scale_blocks(values, q.block_absmax(), q.blocksize, q.numel()).view(q.shape).to(out_dtype);
 }
 
+torch::Tensor dequantize_rows(const QuantizedTensor& q, const torch::Tensor& rows, std::optional<torch::ScalarType> dtype) {
+  if (!q.defined()) fail("dequantize_rows: the tensor is not quantized");
+  if (q.shape.size() != 2) fail("dequantize_rows: needs a 2-D tensor, got shape {}", c10::str(q.shape));
+  torch::NoGradGuard no_grad;
+  const auto out_dtype = dtype.value_or(q.dtype);
+  const int64_t R = q.shape[0], C = q.shape[1];
+  auto out_shape = rows.sizes().vec();
+  out_shape.push_back(C);
+  auto flat = rows.reshape({-1}).to(torch::kInt64);
+  const int64_t n = flat.numel();
+  if (q.kind == QuantKind::Int8) {
+    // The same expression as dequantize(), on the selected rows only.
+    return (q.codes.index_select(0, flat).to(torch::kFloat32) * q.absmax.index_select(0, flat).view({-1, 1}) *
+            7.874015718698502e-3)
+        .to(out_dtype)
+        .view(out_shape);
+  }
+  if (C % q.blocksize != 0) return dequantize(q, out_dtype).index_select(0, flat).view(out_shape);
+  const Tables& tab = tables(q.device());
+  const int64_t per_row = C / q.blocksize;  // blocks of a row
+  auto codes = q.codes.view({R, C / 2}).index_select(0, flat);
+  auto values = tab.nf4_pairs.index_select(0, codes.reshape({-1}).to(torch::kInt32)).view({n, per_row, q.blocksize});
+  // The selected rows' blocks, and their absmax as block_absmax() computes it.
+  auto blocks = (flat.view({-1, 1}) * per_row + torch::arange(per_row, flat.options())).view({-1});
+  torch::Tensor absmax;
+  if (q.double_quantized()) {
+    auto levels = tab.dynamic.index_select(0, q.absmax_codes.index_select(0, blocks).to(torch::kInt32));
+    absmax = levels * q.absmax_absmax.index_select(0, blocks.div(kDoubleQuantBlocksize, "floor")) + q.absmax_offset;
+  } else {
+    absmax = q.absmax.index_select(0, blocks);
+  }
+  return (values * absmax.view({n, per_row, 1})).view({n, C}).to(out_dtype).view(out_shape);
+}
+
 int64_t quantized_bytes(int64_t rows, int64_t cols, const QuantOptions& options) {
   const int64_t n = rows * cols;
   switch (options.kind) {

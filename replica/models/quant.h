@@ -57,6 +57,11 @@ struct QuantOptions {
   QuantKind kind = QuantKind::None;
   int64_t blocksize = 64;     // NF4: values per absmax (bitsandbytes: 32, 64, ..., 4096)
   bool double_quant = false;  // NF4: quantize the absmax too (blocks of 256, dynamic map)
+  // Where, beside the decoder's linears (always): also the token embeddings and an untied
+  // lm_head (params.quantize_embeddings). bitsandbytes keeps both in 16 bits; at a small
+  // model or a large vocabulary they are a large share of the base (Note [quantized embeddings]
+  // in models/llama.cpp).
+  bool embeddings = false;
   bool enabled() const { return kind != QuantKind::None; }
 };
 
@@ -107,6 +112,23 @@ QuantizedTensor quantize(const torch::Tensor& tensor, const QuantOptions& option
 // The values back, in `dtype` (default: the quantized tensor's), on its device. Computed in
 // fp32 and rounded once, as bitsandbytes does.
 torch::Tensor dequantize(const QuantizedTensor& q, std::optional<torch::ScalarType> dtype = std::nullopt);
+
+// Rows `rows` (integer ids, any shape) of a quantized 2-D tensor [R, C], dequantized: [..., C]
+// in `dtype` (default: the quantized tensor's), equal bit for bit to
+// dequantize(q).index_select(0, rows) without dequantizing the rest (an embedding lookup).
+// NF4 blocks then must not straddle rows (C a multiple of the blocksize, as every model width
+// is); otherwise the whole tensor is dequantized and the rows taken from it.
+torch::Tensor dequantize_rows(const QuantizedTensor& q, const torch::Tensor& rows,
+                              std::optional<torch::ScalarType> dtype = std::nullopt);
+
+// A module that may hold its frozen weight quantized (LoraLinear, the token embedding): what
+// base_memory() and has_quantized_base() (models/lora.h) count, whatever the module's kind.
+class QuantizedWeightHolder {
+ public:
+  virtual ~QuantizedWeightHolder() = default;
+  virtual bool base_quantized() const = 0;
+  virtual const QuantizedTensor& quantized_weight() const = 0;
+};
 
 // Bytes quantize() keeps for a [rows, cols] tensor (planning: nothing is allocated).
 int64_t quantized_bytes(int64_t rows, int64_t cols, const QuantOptions& options);

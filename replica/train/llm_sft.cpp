@@ -395,9 +395,21 @@ LlmSftSettings llm_sft_settings(const RunConfig& config) {
   return s;
 }
 
+// params.quantization and params.quantize_embeddings as the loader takes them.
+static models::QuantOptions quant_options_of(const RunConfig& config) {
+  auto options = models::quant_options(config.llm.quantization, "params.quantization");
+  options.embeddings = config.llm.quantize_embeddings;
+  return options;
+}
+
 void check_llm_sft_config(const RunConfig& config) {
   const LlmSftSettings s = llm_sft_settings(config);
-  if (models::quant_options(config.llm.quantization, "params.quantization").enabled()) {
+  if (config.llm.quantize_embeddings && !quant_options_of(config).enabled()) {
+    fail("quantize_embeddings: true needs quantization int4 or int8 (it holds the embeddings and lm_head in that "
+         "format); quantization is {}",
+         config.llm.quantization);
+  }
+  if (quant_options_of(config).enabled()) {
     // QLoRA: the quantized base is frozen, only adapters over it train (models/quant.h).
     if (!config.llm.peft) {
       fail("quantization {} needs peft: true: a quantized base is frozen and only LoRA adapters train over it "
@@ -478,18 +490,19 @@ class LlmSft final : public Workload {
     // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
     const auto dtype = settings_.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
     // quantization: every decoder linear quantized as it is read (QLoRA's load_in_4bit/8bit).
-    const auto quant = models::quant_options(config.llm.quantization, "params.quantization");
+    const auto quant = quant_options_of(config);
     model_ = models::load_hf_model(config.base_model, dtype, quant);
     if (main) spdlog::info("llm-sft: model {}", models::describe_model(model_->config()));
     if (quant.enabled() && main) {
       constexpr double kMiB = 1024.0 * 1024.0;
       const auto m = models::base_memory(*model_);
-      spdlog::info("llm-sft: base quantized to {}: {} decoder linears in {:.2f} MiB ({:.3f}x fp16), the whole "
-                   "base {:.2f} MiB ({:.3f}x fp16; embeddings, head and norms in {})",
-                   models::describe(quant), m.quantized_layers, m.quantized_bytes / kMiB,
+      spdlog::info("llm-sft: base quantized to {}: {} weights ({}) in {:.2f} MiB ({:.3f}x fp16), the whole "
+                   "base {:.2f} MiB ({:.3f}x fp16; {} in {})",
+                   models::describe(quant), m.quantized_layers,
+                   quant.embeddings ? "decoder linears, embeddings, head" : "decoder linears", m.quantized_bytes / kMiB,
                    static_cast<double>(m.quantized_bytes) / static_cast<double>(m.quantized_fp16_bytes),
                    m.bytes / kMiB, static_cast<double>(m.bytes) / static_cast<double>(m.fp16_bytes),
-                   models::dtype_to_string(dtype));
+                   quant.embeddings ? "norms" : "embeddings, head and norms", models::dtype_to_string(dtype));
     }
     if (config.llm.router_aux_loss_coef >= 0) {
       try {
@@ -739,6 +752,10 @@ TaskSpec llm_sft_task() {
           .group("LLM")
           .one_of({"none", "int4", "int8"})
           .null_is("none"),
+      key("quantize_embeddings", l, &L::quantize_embeddings,
+          "with quantization: hold the token embeddings and an untied lm_head in the same format too (bitsandbytes "
+          "keeps them in 16 bits; they are 2 x vocab x hidden weights, a large share of a small model's base)")
+          .group("LLM"),
       key("disable_gradient_checkpointing", l, &L::disable_gradient_checkpointing,
           "keep every decoder layer's activations instead of recomputing them in backward (activation "
           "checkpointing, on by default as in AutoTrain: less memory, one more forward)")
@@ -778,8 +795,7 @@ TaskSpec llm_sft_task() {
 LlmEvalResult evaluate_llm(const RunConfig& config, const std::string& adapter_dir) {
   const LlmSftSettings settings = llm_sft_settings(config);
   // With quantization the adapter is evaluated over the quantized base, as it was trained.
-  auto model = models::load_hf_model(config.base_model, torch::kFloat32,
-                                     models::quant_options(config.llm.quantization, "params.quantization"));
+  auto model = models::load_hf_model(config.base_model, torch::kFloat32, quant_options_of(config));
   if (!adapter_dir.empty()) models::load_adapter(*model, adapter_dir);
   SftEncoder encoder(config.base_model, encoder_options(config, settings.model_max_length));
   const std::string split = config.data.valid_split.value_or(config.data.train_split);

@@ -195,6 +195,7 @@ struct LlmParams {
   bool packing = true;                      // false: one sample per row
   bool add_eos_token = true;
   std::string quantization = "none";
+  bool quantize_embeddings = false;         // also the embeddings and lm_head (with quantization)
   bool disable_gradient_checkpointing = false;
   bool use_flash_attention_2 = false;
   bool unsloth = false;

@@ -526,3 +526,124 @@ TEST(QuantLoad, ToDtypeKeepsTheCodesAndChangesTheComputeDtype) {
   EXPECT_EQ(logits.scalar_type(), torch::kBFloat16);
   EXPECT_TRUE(torch::isfinite(logits).all().item<bool>());
 }
+
+// ---------------------------------------------------------------------------------------
+// Quantized embeddings and lm_head (QuantOptions::embeddings, Note [quantized embeddings])
+
+// A lookup dequantizes only its rows, bit for bit what dequantizing everything would give: NF4
+// with and without double quantization (600 rows of 64: three 256-blocks of absmax codes), int8,
+// bf16 output, repeated and last ids, and a width no NF4 block divides (the whole-tensor path).
+TEST(QuantRows, DequantizeRowsIsDequantizeThenIndexSelect) {
+  struct Case {
+    QuantOptions options;
+    Shape shape;
+  };
+  const auto ids_for = [](int64_t rows) {
+    return torch::tensor({int64_t{0}, rows - 1, int64_t{3}, int64_t{3}, rows / 2, int64_t{1}}, torch::kInt64).view({2, 3});
+  };
+  for (const auto& c : {Case{kNf4, {64, 128}}, Case{kNf4Dq, {600, 64}}, Case{kNf4Dq, {40, 256}},
+                        Case{kInt8, {50, 96}}, Case{kNf4, {10, 96}}, Case{kNf4Dq, {10, 96}}}) {
+    SCOPED_TRACE(describe(c.options) + " " + std::to_string(c.shape.rows) + "x" + std::to_string(c.shape.cols));
+    const auto q = quantize(test_weight(c.shape.rows, c.shape.cols, torch::kFloat32, 17), c.options);
+    const auto ids = ids_for(c.shape.rows);
+    const auto rows = dequantize_rows(q, ids);
+    EXPECT_EQ(rows.sizes(), (std::vector<int64_t>{2, 3, c.shape.cols}));
+    EXPECT_TRUE(torch::equal(rows.view({6, c.shape.cols}), dequantize(q).index_select(0, ids.view({-1}))));
+    const auto bf16 = dequantize_rows(q, ids.to(torch::kInt32), torch::kBFloat16);
+    EXPECT_EQ(bf16.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(bf16.view({6, c.shape.cols}),
+                             dequantize(q, torch::kBFloat16).index_select(0, ids.view({-1}))));
+  }
+  expect_error([] { dequantize_rows(QuantizedTensor{}, torch::zeros({1}, torch::kInt64)); }, {"not quantized"});
+}
+
+// With the embeddings and an untied head quantized too: the model computes the twin whose every
+// quantized weight is its dequantized value (forward and the chunked loss_sum, gradients to the
+// adapters), the full-precision tables are gone, and the base's bytes count them.
+TEST_P(QuantLora, QuantizedEmbeddingsAndHeadComputeTheirDequantizedValues) {
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const auto config = small_config(tied);
+    auto quantized = seeded_model(config, 31);
+    const BaseMemory before = base_memory(*quantized);
+    quantize_base_linears(*quantized, options());
+    EXPECT_EQ(quantized->quantize_embeddings(options()), tied ? 1 : 2);
+    EXPECT_EQ(quantized->quantize_embeddings(options()), 0);  // already quantized: nothing more
+    EXPECT_TRUE(quantized->model->embed_tokens->base_quantized());
+    EXPECT_FALSE(quantized->model->embed_tokens->weight.defined());
+    EXPECT_FALSE(quantized->named_parameters().contains("model.embed_tokens.weight"));
+    EXPECT_FALSE(quantized->named_parameters().contains("lm_head.weight"));
+    const BaseMemory m = base_memory(*quantized);
+    EXPECT_EQ(m.quantized_layers, tied ? 15 : 16);
+    EXPECT_EQ(m.fp16_bytes, before.fp16_bytes);  // the same weights, counted once each
+    // Only the norms (fp32) stay unquantized: the whole base is the format's ratio.
+    if (options().kind == QuantKind::Nf4) EXPECT_LE(static_cast<double>(m.bytes) / m.fp16_bytes, 0.3);
+    expect_error([&] { hf_state_dict(quantized); }, {"quantized"});
+
+    auto twin = seeded_model(config, 31);
+    copy_dequantized(twin, quantized);
+    {
+      torch::NoGradGuard no_grad;
+      twin->model->embed_tokens->weight.copy_(quantized->model->embed_tokens->base_weight());
+      if (!tied) twin->lm_head->weight.copy_(quantized->lm_head->base_weight());
+    }
+    LoraConfig lora;
+    lora.r = 4;
+    lora.lora_dropout = 0.0;
+    for (auto* m2 : {&quantized, &twin}) {
+      torch::manual_seed(22);
+      apply_lora(**m2, lora);
+      torch::NoGradGuard no_grad;
+      for (auto& [name, p] : lora_named_parameters(**m2)) {
+        if (name.find("lora_B") != std::string::npos) p.fill_(0.02);
+      }
+      (*m2)->train();
+    }
+    const auto ids = sample_ids(config.vocab_size, 6);
+    {
+      torch::NoGradGuard no_grad;
+      EXPECT_LE(max_abs_diff(quantized->forward(ids), twin->forward(ids)), 1e-5);
+    }
+    // The chunked head (5 tokens a chunk) over the dequantized head, against the twin's logits.
+    const auto parts = quantized->loss_sum(ids, ids, {}, 5);
+    const auto reference = causal_lm_loss_sum(twin->forward(ids), ids);
+    EXPECT_EQ(parts.count.item<int64_t>(), reference.count.item<int64_t>());
+    EXPECT_NEAR(parts.sum.item<double>(), reference.sum.item<double>(), 1e-4 * reference.sum.item<double>());
+    (parts.sum / parts.count).backward();
+    (reference.sum / reference.count).backward();
+    const auto q_params = lora_named_parameters(*quantized), t_params = lora_named_parameters(*twin);
+    ASSERT_EQ(q_params.size(), t_params.size());
+    for (size_t i = 0; i < q_params.size(); ++i) {
+      ASSERT_TRUE(q_params[i].second.grad().defined()) << q_params[i].first;
+      EXPECT_LE(relative_diff(q_params[i].second.grad(), t_params[i].second.grad()), 1e-4) << q_params[i].first;
+    }
+  }
+}
+
+// Loading with QuantOptions::embeddings: the same codes as loading whole and quantizing after.
+TEST(QuantLoad, EmbeddingsAndHeadAreQuantizedOnLoadWhenAsked) {
+  TempDir dir("quant_load_embeddings");
+  TinyLlamaOptions tiny;
+  tiny.hidden_size = 128;
+  tiny.num_hidden_layers = 1;
+  tiny.num_attention_heads = 4;
+  tiny.num_key_value_heads = 2;
+  tiny.intermediate_size = 192;
+  tiny.tie_word_embeddings = false;
+  make_tiny_llama(dir.str(), 96, tiny);
+  auto options = quant_options("int4");
+  options.embeddings = true;
+  auto loaded = load_hf_model(dir.str(), torch::kFloat32, options);
+  auto after = load_hf_model(dir.str(), torch::kFloat32);
+  after->quantize_embeddings(quant_options("int4"));
+  ASSERT_TRUE(loaded->model->embed_tokens->base_quantized());
+  ASSERT_TRUE(loaded->lm_head->base_quantized());
+  EXPECT_TRUE(torch::equal(loaded->model->embed_tokens->quantized_weight().codes,
+                           after->model->embed_tokens->quantized_weight().codes));
+  EXPECT_TRUE(torch::equal(loaded->lm_head->quantized_weight().codes, after->lm_head->quantized_weight().codes));
+  EXPECT_EQ(base_memory(*loaded).quantized_layers, 7 + 2);
+  // Without the option the two stay as they are (bitsandbytes' choice).
+  auto plain = load_hf_model(dir.str(), torch::kFloat32, quant_options("int4"));
+  EXPECT_FALSE(plain->model->embed_tokens->base_quantized());
+  EXPECT_FALSE(plain->lm_head->base_quantized());
+}

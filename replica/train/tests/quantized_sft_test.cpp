@@ -91,8 +91,9 @@ TEST_F(QuantizedSft, Int4AndInt8TrainAdaptersThatLoadOnTheUnquantizedBase) {
     SCOPED_TRACE(q);
     const Result r = train(q, {"--nproc-per-node", "1", "--quantization", q});
     ASSERT_EQ(r.exit_code, 0) << r;
-    EXPECT_NE(r.err.find(q == "int4" ? "base quantized to nf4 (blocks of 64, double-quantized absmax): 28 decoder"
-                                     : "base quantized to int8 (per-row absmax): 28 decoder"),
+    EXPECT_NE(r.err.find(q == "int4" ? "base quantized to nf4 (blocks of 64, double-quantized absmax): 28 weights "
+                                       "(decoder linears)"
+                                     : "base quantized to int8 (per-row absmax): 28 weights (decoder linears)"),
               std::string::npos)
         << r;
     const auto l = losses(q);
@@ -142,6 +143,40 @@ TEST_F(QuantizedSft, EvalTakesTheAdapterOverTheUnquantizedOrTheQuantizedBase) {
               base_loss, over_plain, over_quantized);
 }
 
+// --quantize-embeddings: the embeddings and the head in NF4 too. The run trains close to the
+// unquantized one, the whole base falls under 0.3x fp16 (the log says so), the adapter loads on
+// the unquantized base, and --eval takes the same two flags.
+TEST_F(QuantizedSft, QuantizedEmbeddingsTrainAndTheWholeBaseIsUnderAThirdOfFp16) {
+  const Result plain = train("none", {"--nproc-per-node", "1"});
+  ASSERT_EQ(plain.exit_code, 0) << plain;
+  const Result r = train("int4e", {"--nproc-per-node", "1", "--quantization", "int4", "--quantize-embeddings"});
+  ASSERT_EQ(r.exit_code, 0) << r;
+  const std::string said = "weights (decoder linears, embeddings, head) in ";
+  const auto at = r.err.find(said);
+  ASSERT_NE(at, std::string::npos) << r;
+  // "... the whole base X MiB (R x fp16; norms in float32)"
+  const auto whole = r.err.find("the whole base ", at);
+  ASSERT_NE(whole, std::string::npos) << r;
+  const double ratio = std::stod(r.err.substr(r.err.find('(', whole) + 1));
+  EXPECT_LE(ratio, 0.3) << r;
+  EXPECT_NE(r.err.find("x fp16; norms in float32)", whole), std::string::npos) << r;
+  const auto l = losses("int4e"), p = losses("none");
+  ASSERT_EQ(l.size(), 12u);
+  ASSERT_EQ(p.size(), 12u);
+  EXPECT_NEAR(l.front(), p.front(), 0.1);
+  EXPECT_LT(l.back(), l.front() - 0.5);
+  EXPECT_NEAR(l.back(), p.back(), 0.3);
+  std::printf("[qlora int4 + embeddings] whole base %.3fx fp16; loss step 1 %.4f (unquantized %.4f), step 12 %.4f "
+              "(unquantized %.4f)\n",
+              ratio, l.front(), p.front(), l.back(), p.back());
+  const std::string adapter = (dir_ / "int4e" / "final").string();
+  auto model = replica::models::load_hf_model(demo_.model_dir);
+  EXPECT_NO_THROW(replica::models::load_adapter(*model, adapter));
+  const double over_quantized = eval_loss(adapter, {"--quantization", "int4", "--quantize-embeddings"});
+  EXPECT_TRUE(std::isfinite(over_quantized));
+  EXPECT_NEAR(over_quantized, eval_loss(adapter, {}), 0.3);
+}
+
 // Two workers (DDP; each quantizes the same base to the same codes) in bf16 mixed precision:
 // the base held in bf16 before quantizing, computed under autocast, fp32 adapters.
 TEST_F(QuantizedSft, TwoWorkersInBf16Train) {
@@ -178,6 +213,10 @@ TEST_F(QuantizedSft, WhatCannotGoWithAQuantizedBaseIsRefusedBeforeAnyWorker) {
   const Result stage3 = refused({"--peft", "--quantization", "int8", "--distributed-backend", "deepspeed"});
   EXPECT_EQ(stage3.exit_code, 1) << stage3;
   EXPECT_NE(stage3.err.find("(ZeRO stage 3) is not supported"), std::string::npos) << stage3;
+  const Result embeddings = refused({"--peft", "--quantize-embeddings"});
+  EXPECT_EQ(embeddings.exit_code, 1) << embeddings;
+  EXPECT_NE(embeddings.err.find("quantize_embeddings: true needs quantization int4 or int8"), std::string::npos)
+      << embeddings;
   const Result typo = refused({"--peft", "--quantization", "nf3"});
   EXPECT_EQ(typo.exit_code, 1) << typo;
   EXPECT_NE(typo.err.find("quantization"), std::string::npos) << typo;
