@@ -147,7 +147,7 @@ Work ProcessGroup::backend_allreduce_sum(torch::Tensor& tensor) {
 }
 
 bool ProcessGroup::backend_takes(const torch::Tensor& tensor) const {
-  return impl_ && impl_->backend && (!impl_->stage || tensor.is_cuda());
+  return impl_ && impl_->backend && (impl_->stage ? tensor.is_cuda() : !tensor.is_cuda());
 }
 
 // Note [native reduce-scatter and all-gather]

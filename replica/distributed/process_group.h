@@ -152,8 +152,10 @@ class ProcessGroup {
   // The backend's own reduce-scatter / all-gather (NCCL's, Gloo's) of a flat tensor cut into
   // chunks of `chunk` elements (shard_range's; the tail padded for the call), so each moves
   // 1/size of an all-reduce's data per rank; the reduce-scatter divides this rank's shard by
-  // `divisor`. backend_takes: whether the backend can (not a CPU tensor under NCCL, which
-  // falls back to an all-reduce through the staging device).
+  // `divisor`. backend_takes: whether the backend can: NCCL takes CUDA tensors (a CPU tensor
+  // falls back to an all-reduce through the staging device), Gloo CPU tensors (its reduce-
+  // scatter and all-gather into one tensor are host-only; CUDA tensors under Gloo, as with
+  // several workers on one GPU, fall back to its all-reduce, which takes them).
   bool backend_takes(const torch::Tensor& tensor) const;
   Work backend_reduce_scatter_sum(torch::Tensor& tensor, int64_t chunk, double divisor);
   Work reduce_scatter(torch::Tensor& tensor, double divisor, const char* file, int line);

@@ -625,7 +625,7 @@ int run(const LaunchOptions& requested) {
 
 int resolve_nproc(const std::string& spec) { return resolve_nproc(spec, visible_gpu_count()); }
 
-int resolve_nproc(const std::string& spec, int gpus) {
+int resolve_nproc(const std::string& spec, int gpus, bool gpus_shared) {
   const int cores = usable_cores();
   std::string lower = spec;
   std::transform(lower.begin(), lower.end(), lower.begin(),
@@ -643,9 +643,9 @@ int resolve_nproc(const std::string& spec, int gpus) {
     if (n < 1) fail("nproc_per_node must be a positive integer or 'auto', got '{}'", spec);
   }
   if (gpus > 0) {
-    if (n > gpus) {
+    if (n > gpus && !gpus_shared) {
       fail("nproc_per_node {} exceeds the {} GPU{} visible on this node (one worker per GPU; CUDA_VISIBLE_DEVICES={}); "
-           "start at most {}, or train on the CPU (device: cpu)",
+           "start at most {}, let workers share GPUs over Gloo (ddp_backend: gloo), or train on the CPU (device: cpu)",
            spec, gpus, gpus == 1 ? "" : "s", env("CUDA_VISIBLE_DEVICES").value_or("unset"), gpus);
     }
     return static_cast<int>(n);

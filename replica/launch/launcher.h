@@ -59,8 +59,9 @@ int run(const LaunchOptions& options);
 // Workers per node from "N" or "auto", for jobs on `gpus` GPUs (what this process sees, unless
 // the job runs on the CPU: 0). With GPUs: auto = their count, and more workers than GPUs is an
 // error naming both. On the CPU: auto = usable cores, and more than 4 workers per core is an
-// error naming the limit. A spec that is neither is a replica::Error.
-int resolve_nproc(const std::string& spec, int gpus);
+// error naming the limit. A spec that is neither is a replica::Error. `gpus_shared`: workers
+// may share GPUs (ddp_backend gloo), so more workers than GPUs is allowed.
+int resolve_nproc(const std::string& spec, int gpus, bool gpus_shared = false);
 // The same for the GPUs this process sees (core/cuda.h; creates no CUDA context).
 int resolve_nproc(const std::string& spec);
 

@@ -160,6 +160,7 @@ class Zero3Engine final : public ParallelEngine {
     options.stage3_max_live_parameters = p.stage3_max_live_parameters;
     options.stage3_max_reuse_distance = p.stage3_max_reuse_distance;
     if (p.offload_param_device == OffloadDevice::Nvme) options.param_swap_dir = p.nvme_path;
+    options.master_on_host = p.offload_param_device != OffloadDevice::None;
     options.reduce_bucket_size = p.reduce_bucket_size;
     options.overlap_comm = p.overlap_comm;
     zero_ = std::make_unique<zero::Zero3>(model_, pg_, options);
@@ -234,7 +235,10 @@ class Zero3Engine final : public ParallelEngine {
 // task its own, as Slurm's --gpus-per-task or a per-worker CUDA_VISIBLE_DEVICES arrange);
 // `auto` is `cuda` when a GPU is visible, else the CPU. A LOCAL_RANK without a GPU of its own
 // is an error naming the rank and the count. The device then picks the process group's
-// backend (NCCL for CUDA, Gloo for the CPU), and the engine moves the model there once, before
+// backend (NCCL for CUDA, Gloo for the CPU; ddp_backend: gloo keeps Gloo on GPUs too, where
+// NCCL cannot go: several workers on one GPU, which NCCL refuses, e.g. a world-2 check on a
+// one-GPU machine; the workers past the GPU count then share them round robin), and the
+// engine moves the model there once, before
 // DDP or ZeRO-3 wraps it; the CPU-only fast paths (the shared-memory transport, FusedSGD's
 // loop, FusedLinear's gradient homes) see CUDA tensors and step aside, each in its own place.
 int gpus_for(DeviceKind kind, const std::string& who) {
@@ -247,10 +251,10 @@ int gpus_for(DeviceKind kind, const std::string& who) {
   return gpus;
 }
 
-torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world) {
+torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world, bool gpus_shared) {
   const int gpus = gpus_for(kind, fmt::format("rank {}: ", world.rank));
   if (gpus == 0) return torch::kCPU;
-  const int index = gpus == 1 ? 0 : world.local_rank;
+  const int index = gpus == 1 ? 0 : gpus_shared ? world.local_rank % gpus : world.local_rank;
   if (index >= gpus) {
     fail("rank {}: LOCAL_RANK {} has no GPU of its own: {} GPU{} visible on this node for {} workers; start "
          "at most {} workers per node (--nproc-per-node), or set device: cpu",
@@ -258,6 +262,16 @@ torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world
   }
   set_current_gpu(index);
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+std::string process_group_backend(const std::string& ddp_backend, torch::Device device) {
+  if (ddp_backend == "nccl" && !device.is_cuda()) {
+    fail("ddp_backend nccl needs workers on GPUs, but this worker computes on the CPU (device: {}); use "
+         "ddp_backend auto or gloo, or device: cuda",
+         device.str());
+  }
+  if (ddp_backend == "gloo") return "gloo";
+  return device.is_cuda() ? "nccl" : "gloo";
 }
 
 // Note [ZeRO stages]
@@ -285,11 +299,6 @@ std::unique_ptr<ParallelEngine> make_engine(const RunParams& params, std::shared
            params.deepspeed, params.deepspeed_train_batch_size, params.batch_size, params.gradient_accumulation,
            pg->size(), global);
     }
-  }
-  if (device.is_cuda() && zero_stage_of(params) == 3) {
-    // ZeRO-3's flat shards live in host memory today; on the device they are issue 17's part 5.
-    fail("distributed_backend zero3 runs on the CPU only in this version (its shards are host memory); "
-         "use distributed_backend ddp on CUDA, or device: cpu");
   }
   model->to(device);
   if (zero_stage_of(params) == 3) {

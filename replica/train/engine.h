@@ -97,7 +97,12 @@ std::unique_ptr<ParallelEngine> make_engine(const RunParams& params, std::shared
 int gpus_for(DeviceKind kind, const std::string& who = "");
 
 // The device this worker computes on (Note [worker device] in engine.cpp), made the current
-// one; called before the first allocation and before the process group.
-torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world);
+// one; called before the first allocation and before the process group. `gpus_shared`
+// (ddp_backend gloo): workers past the GPU count share them, cuda:(LOCAL_RANK % GPUs).
+torch::Device worker_device(DeviceKind kind, const distributed::WorldInfo& world, bool gpus_shared = false);
+
+// params.ddp_backend resolved for a worker on `device`: "nccl" or "gloo"; nccl for a CPU
+// worker is an error naming the key.
+std::string process_group_backend(const std::string& ddp_backend, torch::Device device);
 
 }  // namespace replica::train

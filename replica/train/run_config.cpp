@@ -118,6 +118,12 @@ const std::vector<KeySpec>& common_keys() {
             "where each worker computes: cuda (cuda:LOCAL_RANK, NCCL between workers), cpu (Gloo), or auto "
             "(cuda when a GPU is visible)")
             .group("Workers"),
+        key("ddp_backend", p, &P::ddp_backend,
+            "process-group backend (transformers' name): auto (NCCL between GPUs, Gloo on the CPU), nccl, or gloo "
+            "(with GPUs too: Gloo moves CUDA tensors through the host, and several workers may share a GPU)")
+            .group("Workers")
+            .one_of({"auto", "nccl", "gloo"})
+            .null_is("auto"),
         key("nproc_per_node", p, &P::nproc_per_node, "workers on this node (auto: usable cores, or visible GPUs)")
             .group("Workers")
             .keyword("auto", 0)

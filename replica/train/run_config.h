@@ -111,6 +111,7 @@ struct DataConfig {
 struct RunParams {
   DistributedBackend distributed_backend = DistributedBackend::Ddp;
   DeviceKind device = DeviceKind::Auto;     // auto: a GPU when one is visible, else the CPU
+  std::string ddp_backend = "auto";         // auto | nccl | gloo (Note [worker device], engine.cpp)
   int nproc_per_node = 0;                   // 0 = auto (usable cores on CPU)
   std::string master_addr = "127.0.0.1";
   int master_port = 0;                      // 0 = pick a free port (single node)

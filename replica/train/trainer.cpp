@@ -63,10 +63,8 @@ distributed::ProcessGroupOptions process_group_options(const RunParams& p, torch
   distributed::ProcessGroupOptions options;
   // NCCL between GPUs (control tensors kept on the CPU are staged through the device by the
   // process group), Gloo on the CPU.
-  if (device.is_cuda()) {
-    options.backend = "nccl";
-    options.cuda_device = device.index();
-  }
+  options.backend = process_group_backend(p.ddp_backend, device);
+  if (options.backend == "nccl") options.cuda_device = device.index();
   double rdzv_timeout = p.rdzv_timeout;
   // REPLICA_RDZV_TIMEOUT applies where the configuration left the default.
   if (auto t = env("REPLICA_RDZV_TIMEOUT"); t && p.rdzv_timeout == RunParams{}.rdzv_timeout) {
@@ -299,7 +297,7 @@ int run_worker(const RunConfig& config) {
   set_compute_threads(threads);
   if (p.deterministic) at::globalContext().setDeterministicAlgorithms(true, false);
 
-  const torch::Device device = worker_device(p.device, world);  // before any allocation
+  const torch::Device device = worker_device(p.device, world, p.ddp_backend == "gloo");  // before any allocation
   auto pg = distributed::init_process_group(world, process_group_options(p, device));
   const bool main = pg->rank() == 0;
   // params.timeline (--timeline FILE), or REPLICA_TIMELINE for programs that run the trainer
@@ -371,9 +369,11 @@ int run(const RunConfig& config, const std::vector<std::string>& self_argv) {
   if (distributed::world_from_env()) return run_worker(config);  // started by a launcher
   check_workload_config(config);  // what can be refused before any worker starts
   const int gpus = gpus_for(config.params.device);  // Note [worker device] in engine.cpp
+  process_group_backend(config.params.ddp_backend, gpus > 0 ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU));
+  const bool gpus_shared = config.params.ddp_backend == "gloo";
   const int nproc = config.params.nproc_per_node == 0
                         ? launch::resolve_nproc("auto", gpus)
-                        : launch::resolve_nproc(std::to_string(config.params.nproc_per_node), gpus);
+                        : launch::resolve_nproc(std::to_string(config.params.nproc_per_node), gpus, gpus_shared);
   if (nproc == 1) return run_worker(config);
   launch::LaunchOptions opts;
   opts.nproc_per_node = nproc;

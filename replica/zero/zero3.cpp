@@ -18,7 +18,8 @@ struct Zero3::Group {
   GroupInfo info;
   std::vector<torch::Tensor> params;  // views into `storage` while gathered
   c10::Storage storage;               // N * S elements of info.dtype; 0 bytes when released
-  torch::Tensor master;               // [S] fp32, this worker's slice
+  torch::Device device = torch::kCPU; // of the parameters and `storage` (Note [ZeRO-3 on the device])
+  torch::Tensor master;               // [S] fp32, this worker's slice (on `device`, or the host)
   bool gathered = false;
   distributed::Work in_flight;               // a gather launched ahead of use (prefetch)
   size_t pending = 0;                 // trainable parameters without a gradient this backward
@@ -42,7 +43,14 @@ void resize_storage(const c10::Storage& storage, size_t bytes) {
 // The flat buffer as a tensor that shares no version counter with the parameters: writing
 // the gathered values must not look like an in-place change to autograd's saved tensors.
 torch::Tensor flat_of(const c10::Storage& storage, int64_t numel, torch::ScalarType dtype) {
-  return torch::from_blob(storage.mutable_data(), {numel}, torch::TensorOptions().dtype(dtype));
+  return torch::from_blob(storage.mutable_data(), {numel}, torch::TensorOptions().dtype(dtype).device(storage.device()));
+}
+
+// `part` added into `into` (a slice of a master shard's gradient), scaled; `part` copied to the
+// master's device first where the master lives elsewhere (offload_param_device: host masters
+// of GPU parameters).
+void add_to_master(torch::Tensor into, const torch::Tensor& part, double scale = 1.0) {
+  into.add_(part.device() == into.device() ? part : part.to(into.device()), scale);
 }
 
 }  // namespace
@@ -91,7 +99,13 @@ Zero3::Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distribut
           fail("ZeRO-3: parameters of {} mix dtypes ({} is {}, {} is {})", where, name_of[impl],
                c10::toString(t.scalar_type()), g->info.params[0].name, c10::toString(g->info.dtype));
         }
+        if (!g->params.empty() && t.device() != g->device) {
+          fail("ZeRO-3: parameters of {} are on different devices ({} is on {}, {} on {}); move the model to one "
+               "device before ZeRO-3 wraps it",
+               where, name_of[impl], t.device().str(), g->info.params[0].name, g->device.str());
+        }
         g->info.dtype = t.scalar_type();
+        g->device = t.device();
         g->info.params.push_back({name_of[impl], t.sizes().vec(), g->info.numel});
         g->info.numel += t.numel();
         g->params.push_back(t);
@@ -132,18 +146,23 @@ Zero3::Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distribut
     // Parameters outside every layer are used at any time: they stay gathered.
     g.info.persistent = k >= first_rest || !hooked_ ||
                         static_cast<double>(g.info.numel) < options_.stage3_param_persistence_threshold;
-    torch::Tensor flat = torch::zeros({g.info.shard * world}, torch::TensorOptions().dtype(g.info.dtype));
+    torch::Tensor flat =
+        torch::zeros({g.info.shard * world}, torch::TensorOptions().dtype(g.info.dtype).device(g.device));
     for (size_t i = 0; i < g.params.size(); ++i) {
       flat.narrow(0, g.info.params[i].offset, g.params[i].numel()).copy_(g.params[i].reshape(-1));
     }
     std::vector<torch::Tensor> msg{flat};
     pg_->broadcast(msg, 0);
-    if (options_.param_swap_dir.empty()) {
-      g.master = flat.narrow(0, rank * g.info.shard, g.info.shard).to(torch::kFloat32, /*non_blocking=*/false,
-                                                                       /*copy=*/true);
+    const auto own = flat.narrow(0, rank * g.info.shard, g.info.shard);
+    if (options_.master_on_host && g.device.is_cuda()) {
+      // Pinned: the per-layer gathers copy the shard up, the reductions copy gradients down.
+      g.master = torch::empty({g.info.shard}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(true));
+      g.master.copy_(own);
+    } else if (options_.param_swap_dir.empty()) {
+      g.master = own.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
     } else {
       g.master = file_backed_zeros(options_.param_swap_dir, {g.info.shard}, torch::kFloat32);
-      g.master.copy_(flat.narrow(0, rank * g.info.shard, g.info.shard));
+      g.master.copy_(own);
     }
     if (g.info.trainable) g.master.set_requires_grad(true);
     g.storage = flat.storage();
@@ -358,7 +377,7 @@ void Zero3::reduce_all(Group& g, torch::Tensor& master_grad) {
     works[i].wait();
     const int64_t begin = g.info.params[i].offset, end = begin + grads[i].numel();
     const int64_t a = std::max(begin, lo), b = std::min(end, hi);
-    if (a < b) master_grad.narrow(0, a - lo, b - a).add_(grads[i].view(-1).narrow(0, a - begin, b - a), 1.0 / world);
+    if (a < b) add_to_master(master_grad.narrow(0, a - lo, b - a), grads[i].view(-1).narrow(0, a - begin, b - a), 1.0 / world);
     grads[i] = torch::Tensor();
   }
 }
@@ -369,7 +388,7 @@ void Zero3::reduce_all(Group& g, torch::Tensor& master_grad) {
 // the transport's all-reduce is the path.
 bool Zero3::reduce_native(Group& g, torch::Tensor& master_grad) {
   const int64_t world = pg_->size();
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(g.master.device());
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(g.device);
   if (world <= 1 || !pg_->native_chunks(torch::empty({0}, f32))) return false;
   torch::Tensor flat = torch::zeros({g.info.shard * world}, f32);
   for (size_t i = 0; i < g.params.size(); ++i) {
@@ -379,7 +398,7 @@ bool Zero3::reduce_native(Group& g, torch::Tensor& master_grad) {
   }
   stats_.peak_transient_grad_bytes = std::max(stats_.peak_transient_grad_bytes, flat.numel() * 4);
   pg_->reduce_scatter_chunks(flat, g.info.shard, static_cast<double>(world)).wait();
-  master_grad.add_(flat.narrow(0, pg_->rank() * g.info.shard, g.info.shard));
+  add_to_master(master_grad, flat.narrow(0, pg_->rank() * g.info.shard, g.info.shard));
   return true;
 }
 

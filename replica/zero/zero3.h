@@ -34,9 +34,25 @@
 //   Gloo's ~1 GB/s over loopback; bench/README.md, ZeRO-3 section). Without it (across hosts,
 //   REPLICA_TRANSPORT=gloo, NCCL) the backend's own all-gather and reduce-scatter over the
 //   group's N x S layout (ProcessGroup::*_chunks), half an all-reduce's traffic each.
+// - Devices: see Note [ZeRO-3 on the device] below.
 // - All workers issue the same collectives in the same order because they run the same graph.
 //   Evaluation runs with every group gathered (gather_all), so workers may run different
 //   numbers of forwards.
+//
+// Note [ZeRO-3 on the device]
+// Each group's flat buffer lives where its parameters are (the engine moves the model to the
+// worker's device once, before wrapping it): on a GPU the buffer is the CUDA caching
+// allocator's, "freed" by resizing its storage to zero bytes as on the host, so the memory goes
+// back to the allocator's pool for the next layer's gather (the peaks the memory report shows
+// are the allocator's, engine.cpp). The masters live with the buffer, so the optimizer steps on
+// the device, unless master_on_host (offload_param_device cpu or nvme): then they are pinned
+// host memory (or files), gathers copy each shard up, and the reductions copy this worker's
+// slice of the averaged gradient down. Collectives: under NCCL the backend's all-gather and
+// reduce-scatter (ProcessGroup::native_chunks); NCCL runs them on its own stream, and Work::wait
+// makes the computing stream wait for them without blocking the host, so a prefetched gather
+// overlaps the layer in flight. Releasing a buffer after wait() is safe without recordStream:
+// the free is ordered on the computing stream after the collective. Under Gloo with CUDA tensors
+// (several workers on one GPU, where NCCL refuses) both go through Gloo's all-reduce.
 //
 // Usage:
 //   Zero3 zero(model, process_group, options);
@@ -77,6 +93,9 @@ struct Zero3Options {
   // offload_param_device nvme: the fp32 master shards live in files in this directory
   // (replica/core/file_tensor.h); empty: in RAM.
   std::string param_swap_dir;
+  // offload_param_device cpu for parameters on a GPU: the fp32 master shards in pinned host
+  // memory, not on the device (Note [ZeRO-3 on the device]). No effect on CPU parameters.
+  bool master_on_host = false;
 };
 
 // What the engine measured, in bytes per worker.

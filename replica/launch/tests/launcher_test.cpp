@@ -400,7 +400,12 @@ TEST(ResolveNproc, OneWorkerPerGpu) {
     const std::string what = e.what();
     EXPECT_EQ(what.rfind("nproc_per_node 3 exceeds the 2 GPUs visible on this node", 0), 0u) << what;
     EXPECT_NE(what.find("start at most 2"), std::string::npos) << what;
+    EXPECT_NE(what.find("ddp_backend: gloo"), std::string::npos) << what;
   }
+  // Workers sharing GPUs over Gloo (ddp_backend gloo): more workers than GPUs; auto stays one
+  // per GPU.
+  EXPECT_EQ(replica::launch::resolve_nproc("3", 2, /*gpus_shared=*/true), 3);
+  EXPECT_EQ(replica::launch::resolve_nproc("auto", 2, /*gpus_shared=*/true), 2);
 }
 
 TEST(ResolveNproc, BadValuesNameTheValue) {

@@ -1,8 +1,11 @@
 // The trainer on a GPU (CTest label `gpu`), through the real `replica` program. Every test
 // skips, saying why, where this process sees no GPU (CI): the suite is compiled and linked on
 // every machine and runs where one is (scripts/gpu_check.sh).
-//   - DDP at world 1 on cuda:0 (two-tower) ends with the CPU run's weights, within
-//     float tolerance (different kernels, same arithmetic);
+//   - DDP and ZeRO-3 (masters on the device, and offloaded to the host) at world 1 on cuda:0
+//     (two-tower) end with the CPU run's weights, within float tolerance (different kernels,
+//     same arithmetic);
+//   - world 2 sharing one GPU over Gloo (ddp_backend gloo) equals world 1 at the same global
+//     batch, DDP and ZeRO-3;
 //   - LoRA SFT of the demo Llama in bf16 on CUDA trains: the loss falls;
 //   - `replica env` names the GPU.
 #include "replica/core/cuda.h"
@@ -16,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 namespace fs = std::filesystem;
 using replica::testing::Result;
@@ -30,38 +34,85 @@ namespace {
   }
 
 class Gpu : public replica::testing::ScratchDirTest {
- protected:
+ public:
   Gpu() : ScratchDirTest("replica-gpu") {}
   // REPLICA_TEST_BIN: the binary to run where the tests run from a bundle on another machine
   // (scripts/gpu_check.sh); else the build tree's.
-  Result replica(const std::vector<std::string>& args) {
+  Result replica(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {}) {
     const char* bin = std::getenv("REPLICA_TEST_BIN");
-    return run_program(bin != nullptr ? bin : REPLICA_BIN, args, {}, std::chrono::seconds(300));
+    return run_program(bin != nullptr ? bin : REPLICA_BIN, args, env, std::chrono::seconds(300));
   }
 };
 
-TEST_F(Gpu, DdpOnCudaEndsWithTheCpuRunsWeights) {
-  REPLICA_SKIP_WITHOUT_GPU();
-  // The two-tower recommender on synthetic shards: data made here, nothing to carry.
-  const fs::path data = dir_ / "recsys";
-  ASSERT_EQ(replica({"mds", "synthetic", "--out", data.string(), "--users", "300", "--items", "200", "--clusters",
-                     "10", "--train", "4000", "--valid", "200", "--seed", "3"})
-                .exit_code,
-            0);
-  const fs::path yaml = dir_ / "tt.yaml";
+// The two-tower recommender on synthetic shards (data made here, nothing to carry), 20 SGD
+// steps, run as `a` and as `b` (extra arguments over the same YAML, each naming device and
+// workers): both end with the same weights within float tolerance (different kernels or
+// reduction orders, same arithmetic).
+void expect_runs_end_alike(Gpu& test, const fs::path& dir, const std::vector<std::string>& a,
+                           const std::vector<std::string>& b, const std::map<std::string, std::string>& env = {}) {
+  const fs::path data = dir / "recsys";
+  if (!fs::exists(data)) {
+    ASSERT_EQ(test.replica({"mds", "synthetic", "--out", data.string(), "--users", "300", "--items", "200",
+                            "--clusters", "10", "--train", "4000", "--valid", "200", "--seed", "3"})
+                  .exit_code,
+              0);
+  }
+  const fs::path yaml = dir / "tt.yaml";
   std::ofstream(yaml) << "task: two-tower\nlog: jsonl\nproject_name: unused\ndata:\n  path: " << data.string()
                       << "\n  valid_split: null\nparams:\n  optimizer: sgd\n  lr: 0.05\n  scheduler: constant\n"
                          "  seed: 3\n  max_steps: 20\n  batch_size: 64\n  checkpoint_every: 0\n";
-  for (const char* device : {"cpu", "cuda"}) {
-    const Result r = replica({"--config", yaml.string(), "--device", device, "--nproc-per-node", "1",
-                              "--project-name", (dir_ / device).string()});
+  std::vector<fs::path> finals;
+  for (const auto* extra : {&a, &b}) {
+    std::string tag;
+    for (const auto& x : *extra) tag += x;
+    std::vector<std::string> args{"--config", yaml.string(), "--project-name", (dir / tag).string()};
+    args.insert(args.end(), extra->begin(), extra->end());
+    const Result r = test.replica(args, env);
     ASSERT_EQ(r.exit_code, 0) << r;
+    finals.push_back(dir / tag / "final" / "model.safetensors");
   }
-  const auto cpu = replica::testing::load_tensors(dir_ / "cpu" / "final" / "model.safetensors");
-  const auto cuda = replica::testing::load_tensors(dir_ / "cuda" / "final" / "model.safetensors");
-  ASSERT_EQ(cpu.size(), cuda.size());
-  for (const auto& [name, t] : cpu) {
-    EXPECT_TRUE(torch::allclose(t, cuda.at(name), 1e-4, 1e-5)) << name;
+  const auto first = replica::testing::load_tensors(finals[0]);
+  const auto second = replica::testing::load_tensors(finals[1]);
+  ASSERT_EQ(first.size(), second.size());
+  for (const auto& [name, t] : first) {
+    EXPECT_TRUE(torch::allclose(t, second.at(name), 1e-4, 1e-5)) << name;
+  }
+}
+
+// At world 1: the CPU run and the cuda:0 run, with the same extra arguments.
+void expect_cuda_run_equals_cpu_run(Gpu& test, const fs::path& dir, std::vector<std::string> extra) {
+  extra.insert(extra.end(), {"--nproc-per-node", "1", "--device"});
+  auto cpu = extra, cuda = extra;
+  cpu.push_back("cpu");
+  cuda.push_back("cuda");
+  expect_runs_end_alike(test, dir, cpu, cuda);
+}
+
+TEST_F(Gpu, DdpOnCudaEndsWithTheCpuRunsWeights) {
+  REPLICA_SKIP_WITHOUT_GPU();
+  expect_cuda_run_equals_cpu_run(*this, dir_, {});
+}
+
+// ZeRO-3 with its flat buffers, gathers and masters on cuda:0 (Note [ZeRO-3 on the device]),
+// and with the masters offloaded to pinned host memory (offload_param_device cpu).
+TEST_F(Gpu, Zero3OnCudaEndsWithTheCpuRunsWeights) {
+  REPLICA_SKIP_WITHOUT_GPU();
+  expect_cuda_run_equals_cpu_run(*this, dir_, {"--distributed-backend", "zero3"});
+  expect_cuda_run_equals_cpu_run(*this, dir_, {"--distributed-backend", "zero3", "--offload-param-device", "cpu"});
+}
+
+// World 2 on one GPU (NCCL refuses two ranks on one device, so ddp_backend gloo: Gloo moves the
+// CUDA tensors through the host) equals world 1 at the same global batch, under DDP and ZeRO-3.
+TEST_F(Gpu, TwoWorkersSharingOneGpuOverGlooEqualWorldOne) {
+  REPLICA_SKIP_WITHOUT_GPU();
+  for (const char* backend : {"ddp", "zero3"}) {
+    SCOPED_TRACE(backend);
+    expect_runs_end_alike(*this, dir_,
+                          {"--distributed-backend", backend, "--device", "cuda", "--nproc-per-node", "1",
+                           "--batch-size", "64"},
+                          {"--distributed-backend", backend, "--device", "cuda", "--nproc-per-node", "2",
+                           "--batch-size", "32", "--ddp-backend", "gloo"},
+                          {{"CUDA_VISIBLE_DEVICES", "0"}});  // one GPU, whatever the machine has
   }
 }
 

@@ -52,4 +52,32 @@ TEST(WorkerDevice, AutoAndCudaFollowTheVisibleGpus) {
   }
 }
 
+// ddp_backend: auto follows the device, gloo is Gloo everywhere, nccl on a CPU worker is an
+// error naming the key.
+TEST(ProcessGroupBackend, FollowsTheDeviceUnlessAsked) {
+  using replica::train::process_group_backend;
+  const torch::Device cpu(torch::kCPU), gpu(torch::kCUDA, 1);
+  EXPECT_EQ(process_group_backend("auto", cpu), "gloo");
+  EXPECT_EQ(process_group_backend("auto", gpu), "nccl");
+  EXPECT_EQ(process_group_backend("gloo", gpu), "gloo");
+  EXPECT_EQ(process_group_backend("nccl", gpu), "nccl");
+  try {
+    process_group_backend("nccl", cpu);
+    FAIL() << "expected replica::Error";
+  } catch (const replica::Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("ddp_backend nccl needs workers on GPUs", 0), 0u) << e.what();
+  }
+}
+
+// With GPUs shared (ddp_backend gloo), LOCAL_RANKs past the GPU count wrap around.
+TEST(WorkerDevice, SharedGpusWrapAround) {
+  const int gpus = replica::visible_gpu_count();
+  if (gpus == 0) {
+    EXPECT_EQ(worker_device(DeviceKind::Auto, world_at(1, 1, 2), /*gpus_shared=*/true), torch::Device(torch::kCPU));
+    return;
+  }
+  EXPECT_EQ(worker_device(DeviceKind::Cuda, world_at(gpus, gpus, gpus + 1), /*gpus_shared=*/true),
+            torch::Device(torch::kCUDA, 0));
+}
+
 }  // namespace
