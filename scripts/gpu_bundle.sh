@@ -10,7 +10,7 @@ BUILD=${1:-build}
 OUT=gpu-bundle
 rm -rf "$OUT"
 mkdir -p "$OUT/bin" "$OUT/lib"
-for b in replica replica_gpu_tests bench/bench_llama_step bench/bench_memory_llm; do
+for b in replica replica_gpu_tests bench/bench_llama_step bench/bench_memory_llm bench/bench_ddp_mlp; do
   [ -x "$BUILD/$b" ] || { echo "gpu_bundle: $BUILD/$b is missing (scripts/setup.sh builds it)" >&2; exit 1; }
   cp "$BUILD/$b" "$OUT/bin/"
 done
@@ -23,4 +23,4 @@ for b in "$OUT"/bin/*; do
     cp -Ln "$path" "$OUT/lib/$name" 2>/dev/null || true
   done
 done
-du -sh "$OUT" | awk '{print "gpu_bundle: " $1 " in gpu-bundle/ (bin: replica, replica_gpu_tests, bench_llama_step, bench_memory_llm)"}'
+du -sh "$OUT" | awk '{print "gpu_bundle: " $1 " in gpu-bundle/ (bin: replica, replica_gpu_tests, bench_llama_step, bench_memory_llm, bench_ddp_mlp)"}'

@@ -2,12 +2,16 @@
 # The GPU check of issue 17, on a machine with an NVIDIA GPU and PyTorch (2.11, CUDA). Writes a
 # report (default $OUT/gpu-report.md, else ./gpu-report.md) with:
 #   - the GPUs, driver, CUDA and NCCL (`replica env`, nvidia-smi);
-#   - the `gpu` tests (replica_gpu_tests: DDP on cuda:0 over NCCL equal to the CPU run, LoRA SFT
-#     in bf16 on CUDA training, env naming the GPU);
+#   - the `gpu` tests (replica_gpu_tests: DDP and ZeRO-3 at world 1 on cuda:0 over NCCL equal to
+#     the CPU run, ZeRO-3 with its masters offloaded to pinned host memory too, world 2 sharing
+#     the one GPU over Gloo (ddp_backend gloo) equal to world 1 at the same global batch, LoRA
+#     SFT in bf16 on CUDA training, QLoRA codes and steps on CUDA, env naming the GPU);
 #   - the LLM SFT demo in bf16 on CUDA (tokens/s from its metrics.jsonl);
 #   - a Llama-shape model of 503M parameters, bf16 full fine-tune step, replica against PyTorch
 #     eager with SDPA on the same GPU (bench/llama_step.{cpp,py}), alternating, medians, with
 #     model FLOPs utilisation;
+#   - DDP step time of MLP-54M (4 x 4096, batch 256) at world 1 over NCCL, replica against PyTorch
+#     DDP on the same GPU (bench/ddp_mlp.cpp, bench/ddp_mlp_peer.py), alternating, medians;
 #   - LoRA SFT memory and tokens/s of a 349M Llama shape at batch 1 x 2048 tokens, bf16 and fp32,
 #     replica against transformers + peft (bench/memory_compare.sh: the CUDA allocator's peaks).
 # Binaries: BUILD_DIR (default build/) when they run here, else gpu-bundle/ (scripts/gpu_bundle.sh
@@ -99,6 +103,37 @@ def med(path, key):
 r, t = med(sys.argv[1], "tokens/s"), med(sys.argv[2], "tokens/s")
 print(f"replica {r:.0f} tokens/s (MFU {med(sys.argv[1], 'mfu'):.3f}), PyTorch eager+SDPA {t:.0f} tokens/s "
       f"(MFU {med(sys.argv[2], 'mfu'):.3f}): ratio {r / t:.2f}")
+PY
+say '```'
+
+# MLP-54M (784 -> 4 x 4096 -> 10, SGD with momentum) DDP step, world 1 on cuda:0: replica's DDP
+# over NCCL (bench_ddp_mlp under `replica launch`) against PyTorch's DDP over NCCL in a world-1
+# process group (bench/ddp_mlp_peer.py --ddp), so both sides pay DDP's own per-step costs. Batch
+# 256 per rank keeps the GPU busy (compare.sh's 16 would mostly time kernel launches); synthetic
+# data of Fashion-MNIST's shape, as this machine has no dataset package.
+say
+say "## MLP-54M (4 x 4096) DDP step time, batch 256/rank, world 1, cuda:0 ($name)"
+say "replica against PyTorch DDP (NCCL), alternating $ROUNDS rounds, medians:"
+say '```'
+args="--device cuda --synthetic --hidden 4096 --layers 4 --batch 256 --steps 200 --warmup 20"
+# The result line of a run, or its last lines when it failed (into the report, not the medians).
+result_line() { grep "peer=" "$1" | tail -1 | tee -a "$2" "$REPORT"; grep -q "peer=" "$1" || tail -3 "$1" | tee -a "$REPORT"; }
+for i in $(seq "$ROUNDS"); do
+  "$BIN/replica" launch --nproc-per-node 1 -- "$BENCH/bench_ddp_mlp" $args > "$WORK/ddp_run.log" 2>&1
+  result_line "$WORK/ddp_run.log" "$WORK/ddp_replica.txt"
+  # torchrun's environment for one worker, on a port free now.
+  port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
+    "$PY" bench/ddp_mlp_peer.py --ddp $args > "$WORK/ddp_run.log" 2>&1
+  result_line "$WORK/ddp_run.log" "$WORK/ddp_torch.txt"
+done
+"$PY" - "$WORK/ddp_replica.txt" "$WORK/ddp_torch.txt" <<'PY' | tee -a "$REPORT"
+import re, statistics, sys
+def med(path, key):
+    vals = [float(m.group(1)) for l in open(path) for m in [re.search(key + r"=([0-9.]+)", l)] if m]
+    return statistics.median(vals) if vals else float("nan")
+r, t = 1000 / med(sys.argv[1], "steps/s"), 1000 / med(sys.argv[2], "steps/s")
+print(f"replica {r:.2f} ms/step, PyTorch DDP {t:.2f} ms/step: ratio replica/PyTorch step time {r / t:.2f} (goal <= 1.0)")
 PY
 say '```'
 
