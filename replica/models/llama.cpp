@@ -421,20 +421,17 @@ torch::Tensor EmbeddingImpl::base_weight() const { return quantized_.defined() ?
 
 void EmbeddingImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   torch::nn::Module::to(device, dtype, non_blocking);
-  if (quantized_.defined()) {
-    quantized_ = quantized_.to(device, non_blocking);
-    quantized_.dtype = dtype;
-  }
+  follow_module_to(quantized_, device, dtype, non_blocking);
 }
 
 void EmbeddingImpl::to(torch::Dtype dtype, bool non_blocking) {
   torch::nn::Module::to(dtype, non_blocking);
-  if (quantized_.defined()) quantized_.dtype = dtype;
+  follow_module_to(quantized_, std::nullopt, dtype, non_blocking);
 }
 
 void EmbeddingImpl::to(torch::Device device, bool non_blocking) {
   torch::nn::Module::to(device, non_blocking);
-  if (quantized_.defined()) quantized_ = quantized_.to(device, non_blocking);
+  follow_module_to(quantized_, device, std::nullopt, non_blocking);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype, NormStyle style)

@@ -146,20 +146,17 @@ int64_t LoraLinearImpl::base_bytes() const {
 
 void LoraLinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   torch::nn::Module::to(device, dtype, non_blocking);
-  if (quantized_.defined()) {
-    quantized_ = quantized_.to(device, non_blocking);
-    quantized_.dtype = dtype;
-  }
+  follow_module_to(quantized_, device, dtype, non_blocking);
 }
 
 void LoraLinearImpl::to(torch::Dtype dtype, bool non_blocking) {
   torch::nn::Module::to(dtype, non_blocking);
-  if (quantized_.defined()) quantized_.dtype = dtype;
+  follow_module_to(quantized_, std::nullopt, dtype, non_blocking);
 }
 
 void LoraLinearImpl::to(torch::Device device, bool non_blocking) {
   torch::nn::Module::to(device, non_blocking);
-  if (quantized_.defined()) quantized_ = quantized_.to(device, non_blocking);
+  follow_module_to(quantized_, device, std::nullopt, non_blocking);
 }
 
 double LoraConfig::scaling() const {

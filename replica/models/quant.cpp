@@ -344,6 +344,13 @@ torch::Tensor dequantize_rows(const QuantizedTensor& q, const torch::Tensor& row
   return (values * absmax.view({n, per_row, 1})).view({n, C}).to(out_dtype).view(out_shape);
 }
 
+void QuantizedWeightHolder::follow_module_to(QuantizedTensor& q, std::optional<torch::Device> device,
+                                             std::optional<torch::Dtype> dtype, bool non_blocking) {
+  if (!q.defined()) return;
+  if (device) q = q.to(*device, non_blocking);
+  if (dtype) q.dtype = *dtype;
+}
+
 int64_t quantized_bytes(int64_t rows, int64_t cols, const QuantOptions& options) {
   const int64_t n = rows * cols;
   switch (options.kind) {

@@ -128,6 +128,12 @@ class QuantizedWeightHolder {
   virtual ~QuantizedWeightHolder() = default;
   virtual bool base_quantized() const = 0;
   virtual const QuantizedTensor& quantized_weight() const = 0;
+
+ protected:
+  // What the holder's Module::to overrides add: the held codes move with the module (`device`)
+  // and compute in its new dtype (`dtype`); nothing when `q` is not quantized.
+  static void follow_module_to(QuantizedTensor& q, std::optional<torch::Device> device,
+                               std::optional<torch::Dtype> dtype, bool non_blocking);
 };
 
 // Bytes quantize() keeps for a [rows, cols] tensor (planning: nothing is allocated).

@@ -471,18 +471,23 @@ TEST_P(QuantLora, Bf16AutocastAndRecomputedLayersTrain) {
 
 INSTANTIATE_TEST_SUITE_P(Quant, QuantLora, ::testing::Values("int4", "int8"));
 
-// load_hf_model with a quantization quantizes each decoder linear as its weight is read: the
-// same codes as loading in full and quantizing after.
-TEST(QuantLoad, QuantizesEachDecoderLinearAsItIsRead) {
-  TempDir dir("quant_load");
+// A tiny untied Llama (hidden 128, 4 heads / 2 KV heads) of `layers` decoder layers.
+static TinyLlamaOptions untied_tiny(int layers) {
   TinyLlamaOptions tiny;
   tiny.hidden_size = 128;
-  tiny.num_hidden_layers = 2;
+  tiny.num_hidden_layers = layers;
   tiny.num_attention_heads = 4;
   tiny.num_key_value_heads = 2;
   tiny.intermediate_size = 192;
   tiny.tie_word_embeddings = false;
-  make_tiny_llama(dir.str(), 96, tiny);
+  return tiny;
+}
+
+// load_hf_model with a quantization quantizes each decoder linear as its weight is read: the
+// same codes as loading in full and quantizing after.
+TEST(QuantLoad, QuantizesEachDecoderLinearAsItIsRead) {
+  TempDir dir("quant_load");
+  make_tiny_llama(dir.str(), 96, untied_tiny(2));
   auto loaded = load_hf_model(dir.str(), torch::kFloat32, quant_options("int4"));
   auto after = load_hf_model(dir.str(), torch::kFloat32);
   quantize_base_linears(*after, quant_options("int4"));
@@ -623,14 +628,7 @@ TEST_P(QuantLora, QuantizedEmbeddingsAndHeadComputeTheirDequantizedValues) {
 // Loading with QuantOptions::embeddings: the same codes as loading whole and quantizing after.
 TEST(QuantLoad, EmbeddingsAndHeadAreQuantizedOnLoadWhenAsked) {
   TempDir dir("quant_load_embeddings");
-  TinyLlamaOptions tiny;
-  tiny.hidden_size = 128;
-  tiny.num_hidden_layers = 1;
-  tiny.num_attention_heads = 4;
-  tiny.num_key_value_heads = 2;
-  tiny.intermediate_size = 192;
-  tiny.tie_word_embeddings = false;
-  make_tiny_llama(dir.str(), 96, tiny);
+  make_tiny_llama(dir.str(), 96, untied_tiny(1));
   auto options = quant_options("int4");
   options.embeddings = true;
   auto loaded = load_hf_model(dir.str(), torch::kFloat32, options);
