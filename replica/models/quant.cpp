@@ -296,14 +296,17 @@ QuantizedTensor quantize(const torch::Tensor& tensor, const QuantOptions& option
   return options.kind == QuantKind::Nf4 ? quantize_nf4(tensor, options) : quantize_int8(tensor);
 }
 
+// int8_vectorwise_dequant: A * stats.view(-1, 1) * 7.874015718698502e-3 (1/127), in fp32; rows
+// of codes with their absmax.
+static torch::Tensor dequantize_int8_rows(const torch::Tensor& codes, const torch::Tensor& absmax) {
+  return codes.to(torch::kFloat32) * absmax.view({-1, 1}) * 7.874015718698502e-3;
+}
+
 torch::Tensor dequantize(const QuantizedTensor& q, std::optional<torch::ScalarType> dtype) {
   if (!q.defined()) fail("dequantize: the tensor is not quantized");
   torch::NoGradGuard no_grad;
   const auto out_dtype = dtype.value_or(q.dtype);
-  if (q.kind == QuantKind::Int8) {
-    // int8_vectorwise_dequant: A * stats.view(-1, 1) * 7.874015718698502e-3 (1/127).
-    return (q.codes.to(torch::kFloat32) * q.absmax.view({-1, 1}) * 7.874015718698502e-3).to(out_dtype);
-  }
+  if (q.kind == QuantKind::Int8) return dequantize_int8_rows(q.codes, q.absmax).to(out_dtype);
   const Tables& tab = tables(q.device());
   // Each byte's two levels at once (a [256, 2] table), then level * absmax per block.
   auto values = tab.nf4_pairs.index_select(0, q.codes.to(torch::kInt32)).view({-1});
@@ -321,9 +324,7 @@ torch::Tensor dequantize_rows(const QuantizedTensor& q, const torch::Tensor& row
   auto flat = rows.reshape({-1}).to(torch::kInt64);
   const int64_t n = flat.numel();
   if (q.kind == QuantKind::Int8) {
-    // The same expression as dequantize(), on the selected rows only.
-    return (q.codes.index_select(0, flat).to(torch::kFloat32) * q.absmax.index_select(0, flat).view({-1, 1}) *
-            7.874015718698502e-3)
+    return dequantize_int8_rows(q.codes.index_select(0, flat), q.absmax.index_select(0, flat))
         .to(out_dtype)
         .view(out_shape);
   }
