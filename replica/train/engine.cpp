@@ -160,7 +160,7 @@ class Zero3Engine final : public ParallelEngine {
     options.stage3_max_live_parameters = p.stage3_max_live_parameters;
     options.stage3_max_reuse_distance = p.stage3_max_reuse_distance;
     if (p.offload_param_device == OffloadDevice::Nvme) options.param_swap_dir = p.nvme_path;
-    options.master_on_host = p.offload_param_device != OffloadDevice::None;
+    options.master_on_host = p.offload_param_device == OffloadDevice::Cpu;  // nvme: files, on the host too
     options.reduce_bucket_size = p.reduce_bucket_size;
     options.overlap_comm = p.overlap_comm;
     zero_ = std::make_unique<zero::Zero3>(model_, pg_, options);

@@ -154,15 +154,15 @@ Zero3::Zero3(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<distribut
     std::vector<torch::Tensor> msg{flat};
     pg_->broadcast(msg, 0);
     const auto own = flat.narrow(0, rank * g.info.shard, g.info.shard);
-    if (options_.master_on_host && g.device.is_cuda()) {
+    if (!options_.param_swap_dir.empty()) {
+      g.master = file_backed_zeros(options_.param_swap_dir, {g.info.shard}, torch::kFloat32);
+      g.master.copy_(own);
+    } else if (options_.master_on_host && g.device.is_cuda()) {
       // Pinned: the per-layer gathers copy the shard up, the reductions copy gradients down.
       g.master = torch::empty({g.info.shard}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(true));
       g.master.copy_(own);
-    } else if (options_.param_swap_dir.empty()) {
-      g.master = own.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
     } else {
-      g.master = file_backed_zeros(options_.param_swap_dir, {g.info.shard}, torch::kFloat32);
-      g.master.copy_(own);
+      g.master = own.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
     }
     if (g.info.trainable) g.master.set_requires_grad(true);
     g.storage = flat.storage();

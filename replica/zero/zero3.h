@@ -94,7 +94,8 @@ struct Zero3Options {
   // (replica/core/file_tensor.h); empty: in RAM.
   std::string param_swap_dir;
   // offload_param_device cpu for parameters on a GPU: the fp32 master shards in pinned host
-  // memory, not on the device (Note [ZeRO-3 on the device]). No effect on CPU parameters.
+  // memory, not on the device (Note [ZeRO-3 on the device]). No effect on CPU parameters, nor
+  // with param_swap_dir (the masters are files then, on the host either way).
   bool master_on_host = false;
 };
 
