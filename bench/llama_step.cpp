@@ -6,6 +6,7 @@
 // --dtype bf16 runs forward and backward under bf16 autocast with fp32 weights and optimizer
 // state, as the trainer's mixed_precision: bf16 does. --peak-tflops prints the model FLOPs
 // utilisation, 6 x parameters x tokens/s over the device's peak (H100 SXM bf16 dense: 989).
+#include "replica/core/cpu_gemm.h"
 #include "replica/core/system.h"
 #include "replica/models/llama.h"
 #include "replica/train/optim.h"
@@ -114,6 +115,8 @@ int main(int argc, char** argv) {
               static_cast<double>(steps) * batch * seq / cpu, loss.item<double>());
   // 6 FLOPs per parameter per token (forward 2, backward 4); attention's own FLOPs left out.
   if (peak_tflops > 0) std::printf(" mfu=%.3f", 6.0 * params * tokens_per_s / (peak_tflops * 1e12));
+  // Which library multiplied the layers' weights on the CPU (core/cpu_gemm.h; REPLICA_CPU_GEMM).
+  if (device_name == "cpu") std::printf(" gemm=%s", replica::cpu_gemm_is_openblas() ? "openblas" : "aten");
   std::printf("\n");
   return 0;
 }

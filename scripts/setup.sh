@@ -17,6 +17,7 @@ PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config zstd
   libgloo-dev          # Gloo's headers, for ProcessGroupGloo.hpp only (see replica/distributed/c10d_compat.cpp)
   libopenblas0-pthread                            # BLAS for the data tools
+  libopenblas0-serial  # the CPU GEMMs of model layers on non-Intel CPUs (replica/core/cpu_gemm.h)
   dataset-fashion-mnist                           # the default data set of the demo
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libfmt-dev libspdlog-dev zlib1g-dev
   libpcre2-dev libsentencepiece-dev libicu-dev  # tokenizers: pre-tokenizer regexes, tokenizer.model, Unicode normalization

@@ -1,5 +1,6 @@
 #include "replica/cli/env_report.h"
 
+#include "replica/core/cpu_gemm.h"
 #include "replica/core/cuda.h"
 #include "replica/core/system.h"
 #include "replica/distributed/process_group.h"
@@ -207,6 +208,7 @@ std::string env_report(bool json) {
                {"torch_inter_op_threads", at::get_num_interop_threads()}}},
       {"memory_gb", memory_gb},
       {"blas", {{"name", blas.name}, {"path", blas.path}}},
+      {"model_layer_gemm", cpu_gemm_description()},
       {"backends", backends},
       {"gpus", gpus},
       {"network_interfaces", network_interfaces()},
@@ -234,6 +236,7 @@ std::string env_report(bool json) {
   out += fmt::format("memory:              {:.1f} GB\n", memory_gb);
   out += fmt::format("BLAS:                {} ({}){}\n", blas.name, blas.path.empty() ? "not found" : blas.path,
                      blas.name == "reference" ? "  <-- SLOW, see the warning" : "");
+  out += fmt::format("model layers' GEMM:  {}\n", cpu_gemm_description());
   out += "backends:\n";
   for (const char* b : {"gloo", "nccl", "mpi", "shm"}) {
     out += fmt::format("  {:<5} {:<4} {}\n", b, backends[b]["available"].get<bool>() ? "yes" : "no",

@@ -1,6 +1,8 @@
 #include "replica/models/chunked_cross_entropy.h"
 
+#include "replica/core/cpu_gemm.h"
 #include "replica/core/error.h"
+#include "replica/models/linear.h"
 
 #include <torch/torch.h>
 
@@ -10,8 +12,12 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The chunk's logits as the head computes them, in fp32.
+// The chunk's logits as the head computes them, in fp32. On the CPU in fp32 through the model
+// layers' GEMM (models/linear.h: OpenBLAS where core/cpu_gemm.h chose it), as the head's forward.
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& weight, const torch::Tensor& bias) {
+  if (linear_uses_openblas(h, weight, bias.numel() > 0 ? bias : torch::Tensor())) {
+    return models::linear(h, weight, bias.numel() > 0 ? bias : torch::Tensor());
+  }
   auto w = weight.scalar_type() == h.scalar_type() ? weight : weight.to(h.scalar_type());
   auto logits = bias.numel() > 0 ? torch::addmm(bias.to(h.scalar_type()), h, w.t()) : torch::matmul(h, w.t());
   return logits.to(torch::kFloat32);
@@ -55,6 +61,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     torch::Tensor grad_h = need_h ? torch::empty_like(hidden) : torch::Tensor();
     torch::Tensor grad_w = need_w ? torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32)) : torch::Tensor();
     torch::Tensor grad_b = need_b ? torch::zeros(bias.sizes(), bias.options().dtype(torch::kFloat32)) : torch::Tensor();
+    const bool openblas = linear_uses_openblas(hidden, weight, bias.numel() > 0 ? bias : torch::Tensor());
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t len = std::min(chunk, n - start);
       auto h = hidden.narrow(0, start, len);
@@ -64,6 +71,20 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       auto valid = (t != -100);
       d.scatter_add_(1, t.clamp_min(0).unsqueeze(1), -valid.to(torch::kFloat32).unsqueeze(1));
       d.mul_((valid.to(torch::kFloat32) * grad).unsqueeze(1));
+      if (openblas) {
+        // Straight into grad_h's rows and accumulated into grad_w (beta 1): no temporaries.
+        const int64_t vocab = weight.size(0), dim = weight.size(1);
+        if (need_h) {
+          cpu_sgemm(false, false, len, dim, vocab, d.data_ptr<float>(), vocab, weight.data_ptr<float>(), dim, 0.f,
+                    grad_h.narrow(0, start, len).data_ptr<float>(), dim);
+        }
+        if (need_w) {
+          cpu_sgemm(true, false, vocab, dim, len, d.data_ptr<float>(), vocab, h.data_ptr<float>(), dim, 1.f,
+                    grad_w.data_ptr<float>(), dim);
+        }
+        if (need_b) grad_b.add_(d.sum(0));
+        continue;
+      }
       auto d_in = d.to(h.scalar_type());
       if (need_h) grad_h.narrow(0, start, len).copy_(torch::matmul(d_in, weight.to(h.scalar_type())));
       if (need_w) grad_w.add_(torch::matmul(d_in.t(), h).to(torch::kFloat32));

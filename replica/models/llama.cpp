@@ -9,6 +9,7 @@
 #include "replica/models/attention_sinks.h"
 #include "replica/models/chunked_cross_entropy.h"
 #include "replica/models/config_json.h"
+#include "replica/models/linear.h"
 #include "replica/models/recompute.h"
 #include "replica/models/rope_yarn.h"
 
@@ -406,7 +407,7 @@ torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
 }
 
 torch::Tensor EmbeddingImpl::as_head(const torch::Tensor& h) {
-  return quantized_.defined() ? quantized_linear(h, quantized_) : torch::linear(h, weight);
+  return quantized_.defined() ? quantized_linear(h, quantized_) : models::linear(h, weight);
 }
 
 void EmbeddingImpl::quantize_base(const QuantOptions& options) {

@@ -2,6 +2,8 @@
 // get_delta_weight, merge), and PEFT's adapter directory layout.
 #include "replica/models/lora.h"
 
+#include "replica/models/linear.h"
+
 #include "replica/core/error.h"
 #include "replica/core/files.h"
 #include "replica/io/files.h"
@@ -68,7 +70,7 @@ LoraLinearImpl::LoraLinearImpl(int64_t in_features, int64_t out_features, bool w
 
 torch::Tensor LoraLinearImpl::forward(const torch::Tensor& x) {
   // The frozen base layer: x W^T + b (W dequantized for this call when it is held quantized).
-  auto result = quantized_.defined() ? quantized_linear(x, quantized_, bias) : torch::linear(x, weight, bias);
+  auto result = quantized_.defined() ? quantized_linear(x, quantized_, bias) : models::linear(x, weight, bias);
   if (lora_A.is_empty()) return result;
   // PEFT Linear.forward: the LoRA branch runs in the adapter's dtype on the (dropped-out)
   // input, scaled, added, and the sum cast back to the base output's dtype.

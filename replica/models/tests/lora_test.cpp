@@ -2,6 +2,7 @@
 // merge equal to the unmerged forward, merged HF directory in the original dtype.
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"
+#include "replica/models/linear.h"
 #include "replica/models/lora.h"
 
 #include "replica/core/error.h"
@@ -116,7 +117,7 @@ TEST(Lora, DropoutIsOnTheAdapterPathOnly) {
   layer->add_lora(4, 2.0, /*dropout=*/0.5);
   layer->train();
   auto x = torch::randn({3, 16});
-  auto base = torch::linear(x, layer->weight, layer->bias);
+  auto base = replica::models::linear(x, layer->weight, layer->bias);  // the base layer's own product
   // B = 0: training-mode output is exactly the base output, dropout or not.
   EXPECT_TRUE(torch::equal(layer->forward(x), base));
   { torch::NoGradGuard g; layer->lora_B->weight.normal_(0.0, 0.1); }
