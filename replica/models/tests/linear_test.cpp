@@ -3,12 +3,14 @@
 // torch::linear: values, gradients, frozen weights, thread splits, and where it stays LibTorch's.
 #include "replica/core/cpu_gemm.h"
 #include "replica/models/linear.h"
+#include "replica/testing/program_runner.h"
 
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <filesystem>
 
 using namespace replica::models;
 
@@ -150,4 +152,23 @@ TEST(ModelsLinear, TwoThreadsEqualOneWithinRounding) {
     two = replica::models::linear(x, w);
   }
   expect_close(two, one, "2 threads against 1");
+}
+
+// The decision as the program reports it, and the errors for what the user set wrong (the
+// program, so that each case is a process of its own: the decision is made once per process).
+TEST(CpuGemm, ReplicaEnvNamesTheChoiceAndRefusesBadSettings) {
+  using replica::testing::run_program;
+  ASSERT_TRUE(std::filesystem::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built";
+  const auto aten = run_program(REPLICA_BIN, {"env"}, {{"REPLICA_CPU_GEMM", "aten"}});
+  EXPECT_EQ(aten.exit_code, 0) << aten.all();
+  EXPECT_NE(aten.out.find("model layers' GEMM:  LibTorch (MKL) (REPLICA_CPU_GEMM=aten)"), std::string::npos) << aten.out;
+  const auto bad = run_program(REPLICA_BIN, {"env"}, {{"REPLICA_CPU_GEMM", "bogus"}});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.all().find("REPLICA_CPU_GEMM=bogus: expected auto, openblas or aten"), std::string::npos) << bad.all();
+  const auto missing = run_program(
+      REPLICA_BIN, {"env"}, {{"REPLICA_CPU_GEMM", "openblas"}, {"REPLICA_OPENBLAS", "/nonexistent/libopenblas.so.0"}});
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.all().find("REPLICA_CPU_GEMM=openblas: cannot load cblas_sgemm from /nonexistent/libopenblas.so.0"),
+            std::string::npos)
+      << missing.all();
 }
