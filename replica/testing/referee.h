@@ -9,6 +9,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include "replica/testing/paths.h"
 #include <stdlib.h>
 #include <sys/wait.h>
 
@@ -25,10 +26,6 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#ifndef REPLICA_PYTHON
-#define REPLICA_PYTHON ""
-#endif
 
 namespace replica::testing {
 

@@ -12,6 +12,7 @@
 //   fixed dtype and shape), uncompressed and zstd, with equal values, bit for bit
 //   (referee/mds_referee.py write).
 #include "replica/data/mds.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/referee.h"
 #include "replica/testing/program_runner.h"
 

@@ -4,6 +4,7 @@
 // drop_last. sampler_test.cpp keeps the constants made once with PyTorch 1.13 and runs without
 // Python.
 #include "replica/data/sampler.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/referee.h"
 
 #include <gtest/gtest.h>

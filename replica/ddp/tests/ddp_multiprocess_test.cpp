@@ -4,6 +4,7 @@
 // global batch while, in the same process, a reference copy trains on the whole global batch
 // without any communication. DDP is right when both end with the same parameters.
 #include "replica/core/error.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/launch_scenario.h"
 #include "replica/ddp/ddp.h"
 #include "replica/ddp/sync_batchnorm.h"

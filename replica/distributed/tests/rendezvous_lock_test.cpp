@@ -3,6 +3,7 @@
 // address; the job goes on and finishes. The workers hold their first collective until the
 // intruders are done (a key the test sets with the right token), so the order is certain.
 #include "replica/core/error.h"
+#include "replica/testing/paths.h"
 #include "replica/distributed/process_group.h"
 #include "replica/distributed/store.h"
 #include "replica/distributed/world.h"

@@ -14,6 +14,7 @@
 //   with every dtype replica supports, values bit for bit (NaN, infinities, -0, subnormals,
 //   integer extremes), shapes (0-d, empty) and __metadata__.
 #include "replica/io/safetensors.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/referee.h"
 #include "replica/testing/program_runner.h"
 

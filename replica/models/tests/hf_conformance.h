@@ -4,6 +4,7 @@
 #pragma once
 
 #include "replica/io/safetensors.h"
+#include "replica/testing/paths.h"
 #include "replica/models/llama.h"
 #include "replica/testing/referee.h"
 

@@ -12,6 +12,7 @@
 // transcription of transformers, what replica_models_tests compare against) against
 // transformers: the transcription is only as good as its agreement with the real thing.
 #include "replica/models/tests/hf_conformance.h"
+#include "replica/testing/paths.h"
 
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"

@@ -2,6 +2,7 @@
 // [OpenBLAS for CPU GEMMs on non-Intel CPUs] in core/cpu_gemm.h) against LibTorch's torch::mm and
 // torch::linear: values, gradients, frozen weights, thread splits, and where it stays LibTorch's.
 #include "replica/core/cpu_gemm.h"
+#include "replica/testing/paths.h"
 #include "replica/models/linear.h"
 #include "replica/testing/program_runner.h"
 

@@ -4,6 +4,7 @@
 // computes on CUDA what it computes on the CPU, in fp32 and under bf16 autocast, holding its
 // quantized linears at their quantized bytes.
 #include "replica/core/cuda.h"
+#include "replica/testing/paths.h"
 #include "replica/io/safetensors.h"
 #include "replica/models/llama.h"
 #include "replica/models/lora.h"

@@ -4,6 +4,7 @@
 // weights are the dequantized ones, close logits to the unquantized model, bf16 autocast,
 // recomputed layers, loading that quantizes layer by layer, and the refusals.
 #include "replica/models/quant.h"
+#include "replica/testing/paths.h"
 
 #include "replica/core/error.h"
 #include "replica/io/safetensors.h"

@@ -9,6 +9,7 @@
 // program really trained and saved (examples/fashion_mnist_resnet18.yaml: 2 workers,
 // SyncBatchNorm) loads and agrees as well.
 #include "replica/io/safetensors.h"
+#include "replica/testing/paths.h"
 #include "replica/models/resnet.h"
 #include "replica/testing/referee.h"
 #include "replica/testing/program_runner.h"

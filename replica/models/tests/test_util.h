@@ -2,6 +2,7 @@
 #pragma once
 
 #include "replica/core/error.h"
+#include "replica/testing/paths.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

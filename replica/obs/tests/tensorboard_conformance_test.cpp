@@ -3,6 +3,7 @@
 // (the two-tower example on a small synthetic data set, 2 workers, log: tensorboard) and finds
 // exactly the scalars of the run's metrics.jsonl: tags, steps and values (float32).
 #include "replica/testing/referee.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
 
 #include <gtest/gtest.h>

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include "replica/testing/paths.h"
 #include <stdlib.h>
 
 #include <cstdio>

@@ -9,6 +9,7 @@
 // tokens, both decodes, apply_chat_template's rendering and its ids; and the committed
 // fixture is what the script builds.
 #include "replica/testing/program_runner.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/referee.h"
 #include "replica/text/chat_template.h"
 #include "replica/text/tokenizer.h"

@@ -2,6 +2,7 @@
 // stdin line is one text as a JSON string so that texts may hold line breaks, its errors, and
 // --chat. The tokenizer is a byte-level BPE without merges, so a text's ids are its bytes.
 #include <gtest/gtest.h>
+#include "replica/testing/paths.h"
 #include <stdlib.h>
 #include <sys/wait.h>
 

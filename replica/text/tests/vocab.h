@@ -8,6 +8,7 @@
 #pragma once
 
 #include <openssl/evp.h>
+#include "replica/testing/paths.h"
 #include <unistd.h>
 #include <zstd.h>
 

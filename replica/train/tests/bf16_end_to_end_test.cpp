@@ -11,6 +11,7 @@
 // updates turn rounding noise in near-zero gradients into full-size steps. w_init comes from
 // the same run with a learning rate of 1e-30 for one step (the same seed and initialisation).
 #include "replica/testing/program_runner.h"
+#include "replica/testing/paths.h"
 #include "replica/train/tests/tensor_files.h"
 
 #include <gtest/gtest.h>

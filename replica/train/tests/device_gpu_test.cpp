@@ -9,6 +9,7 @@
 //   - LoRA SFT of the demo Llama in bf16 on CUDA trains: the loss falls;
 //   - `replica env` names the GPU.
 #include "replica/core/cuda.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
 

@@ -7,6 +7,7 @@
 // listed rule and printed; a skipped synopsis must be one of the known forms, so a new runnable
 // command is never skipped silently.
 #include "replica/testing/program_runner.h"
+#include "replica/testing/paths.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

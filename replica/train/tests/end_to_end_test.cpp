@@ -4,6 +4,7 @@
 // deadline, and kills the child's whole process group (and fails the test) when it
 // overstays. Nothing here sleeps to synchronise.
 #include "replica/core/error.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
 #include "replica/train/run_config.h"

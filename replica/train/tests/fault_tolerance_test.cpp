@@ -8,6 +8,7 @@
 // The faults are injected at real points: a watcher waits (inotify, no sleeping) for the first
 // checkpoint to be renamed into place and then signals the rank-1 worker it finds in /proc.
 #include "replica/io/safetensors.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
 
 #include <arpa/inet.h>

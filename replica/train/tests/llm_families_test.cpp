@@ -7,6 +7,7 @@
 // of replica/text/tests/gemma_tokenizer/. The numbers against transformers and PEFT are in
 // replica/models/tests/families_conformance_test.cpp.
 #include "replica/train/llm_sft.h"
+#include "replica/testing/paths.h"
 
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"

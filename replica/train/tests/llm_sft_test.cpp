@@ -2,6 +2,7 @@
 // `replica llm` / `tokenize` / `merge-adapter` commands end to end through the real program
 // (REPLICA_BIN) on the demo that `replica llm init-demo` writes.
 #include "replica/train/llm_sft.h"
+#include "replica/testing/paths.h"
 
 #include "replica/core/error.h"
 #include "replica/testing/program_runner.h"

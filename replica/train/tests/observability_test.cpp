@@ -3,6 +3,7 @@
 // TensorBoard event files read back record by record, the plot at the end of a run,
 // `--timeline` traces of two workers, `replica env` and its reference-BLAS warning.
 #include "replica/obs/tests/event_file_reader.h"
+#include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
 
 #include <gtest/gtest.h>

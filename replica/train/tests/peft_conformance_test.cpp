@@ -15,6 +15,7 @@
 //   and the other way: an adapter that PEFT made and saved loads into replica with PeftModel's
 //     logits, and merge-adapter gives merge_and_unload()'s weights.
 #include "replica/models/tests/hf_conformance.h"
+#include "replica/testing/paths.h"
 
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"

@@ -3,6 +3,7 @@
 // adapter it writes loads onto the unquantized base, `--eval` evaluates it over either, and the
 // settings that cannot go with a quantized base are refused before any worker starts.
 #include "replica/models/hf_model_dir.h"
+#include "replica/testing/paths.h"
 #include "replica/models/llama.h"
 #include "replica/models/lora.h"
 #include "replica/testing/program_runner.h"

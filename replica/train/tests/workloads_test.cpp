@@ -2,6 +2,7 @@
 // synthetic recommender data written as MDS by `replica mds synthetic`, then training runs
 // started as child processes (bounded by program_runner's deadline).
 #include "replica/testing/program_runner.h"
+#include "replica/testing/paths.h"
 #include "replica/train/tests/tensor_files.h"
 #include "replica/io/safetensors.h"
 

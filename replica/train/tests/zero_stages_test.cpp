@@ -3,6 +3,7 @@
 // under nvme_path changes where the bytes live and nothing else; a DeepSpeed JSON config runs
 // what the same keys run.
 #include "replica/testing/program_runner.h"
+#include "replica/testing/paths.h"
 #include "replica/train/tests/tensor_files.h"
 
 #include <gtest/gtest.h>

@@ -1,0 +1,19 @@
+// Where tests find the checkout, the built `replica` program and the referees' Python. These
+// are absolute paths of one build, so they live in one small library compiled with them
+// (replica/testing/paths.cpp, CMake target replica_test_paths) instead of in the compile command
+// of every test: a checkout in another folder (CI's clean clone) then compiles every test with
+// the same command as this one, and the compiler cache (ccache with CCACHE_BASEDIR at the
+// checkout, CMakeLists.txt) answers for it.
+#pragma once
+
+namespace replica::testing {
+
+const char* source_dir();   // the checkout (CMAKE_SOURCE_DIR)
+const char* replica_bin();  // the built program (<build>/replica)
+const char* python();       // REPLICA_PYTHON: the interpreter with the referees, "" when not configured
+
+}  // namespace replica::testing
+
+#define REPLICA_SOURCE_DIR (::replica::testing::source_dir())
+#define REPLICA_BIN (::replica::testing::replica_bin())
+#define REPLICA_PYTHON (::replica::testing::python())
