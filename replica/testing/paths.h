@@ -8,12 +8,12 @@
 
 namespace replica::testing {
 
-const char* source_dir();   // the checkout (CMAKE_SOURCE_DIR)
-const char* replica_bin();  // the built program (<build>/replica)
-const char* python();       // REPLICA_PYTHON: the interpreter with the referees, "" when not configured
+const char* checkout_dir();   // the checkout (CMAKE_SOURCE_DIR)
+const char* built_replica();  // the built program (<build>/replica)
+const char* configured_python();  // REPLICA_PYTHON: the interpreter with the referees, "" when not configured
 
 }  // namespace replica::testing
 
-#define REPLICA_SOURCE_DIR (::replica::testing::source_dir())
-#define REPLICA_BIN (::replica::testing::replica_bin())
-#define REPLICA_PYTHON (::replica::testing::python())
+#define REPLICA_SOURCE_DIR (::replica::testing::checkout_dir())
+#define REPLICA_BIN (::replica::testing::built_replica())
+#define REPLICA_PYTHON (::replica::testing::configured_python())
