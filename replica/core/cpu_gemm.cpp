@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
-#include <mutex>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>

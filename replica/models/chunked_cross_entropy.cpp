@@ -15,9 +15,8 @@ using torch::autograd::variable_list;
 // The chunk's logits as the head computes them, in fp32. On the CPU in fp32 through the model
 // layers' GEMM (models/linear.h: OpenBLAS where core/cpu_gemm.h chose it), as the head's forward.
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& weight, const torch::Tensor& bias) {
-  if (linear_uses_openblas(h, weight, bias.numel() > 0 ? bias : torch::Tensor())) {
-    return models::linear(h, weight, bias.numel() > 0 ? bias : torch::Tensor());
-  }
+  const auto optional_bias = bias.numel() > 0 ? bias : torch::Tensor();  // models::linear: undefined = none
+  if (linear_uses_openblas(h, weight, optional_bias)) return models::linear(h, weight, optional_bias);
   auto w = weight.scalar_type() == h.scalar_type() ? weight : weight.to(h.scalar_type());
   auto logits = bias.numel() > 0 ? torch::addmm(bias.to(h.scalar_type()), h, w.t()) : torch::matmul(h, w.t());
   return logits.to(torch::kFloat32);
@@ -82,12 +81,11 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
           cpu_sgemm(true, false, vocab, dim, len, d.data_ptr<float>(), vocab, h.data_ptr<float>(), dim, 1.f,
                     grad_w.data_ptr<float>(), dim);
         }
-        if (need_b) grad_b.add_(d.sum(0));
-        continue;
+      } else {
+        auto d_in = d.to(h.scalar_type());
+        if (need_h) grad_h.narrow(0, start, len).copy_(torch::matmul(d_in, weight.to(h.scalar_type())));
+        if (need_w) grad_w.add_(torch::matmul(d_in.t(), h).to(torch::kFloat32));
       }
-      auto d_in = d.to(h.scalar_type());
-      if (need_h) grad_h.narrow(0, start, len).copy_(torch::matmul(d_in, weight.to(h.scalar_type())));
-      if (need_w) grad_w.add_(torch::matmul(d_in.t(), h).to(torch::kFloat32));
       if (need_b) grad_b.add_(d.sum(0));
     }
     if (need_w) grad_w = grad_w.to(weight.scalar_type());
