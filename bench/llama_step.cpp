@@ -13,6 +13,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <CLI/CLI.hpp>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -95,14 +96,26 @@ int main(int argc, char** argv) {
   };
   for (int i = 0; i < warmup; ++i) step();
   sync();
+  // On the CPU the legacy profiler's per-op times (bench/op_times.py); on CUDA Kineto's, which
+  // hold the kernels' own times (the host's op times there are launch times).
   std::unique_ptr<torch::autograd::profiler::RecordProfile> recording;
-  if (!profile.empty()) recording = std::make_unique<torch::autograd::profiler::RecordProfile>(profile);
+  const bool kineto = !profile.empty() && device.is_cuda();
+  if (kineto) {
+    using torch::profiler::impl::ActivityType;
+    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+  } else if (!profile.empty()) {
+    recording = std::make_unique<torch::autograd::profiler::RecordProfile>(profile);
+  }
   auto t0 = std::chrono::steady_clock::now();
   const std::clock_t c0 = std::clock();
   for (int i = 0; i < steps; ++i) step();
   sync();
   const double cpu = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
   recording.reset();
+  if (kineto) torch::autograd::profiler::disableProfiler()->save(profile);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   int64_t params = 0;
   for (auto& p : model->parameters()) params += p.numel();

@@ -44,7 +44,14 @@ shape = (dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=5, num_
 config = ref.hf_config("bench", model_type="llama", tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
                        rope_scaling=None, pad_token_id=None, **shape)
 device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
-model = ref.ForCausalLM(config).to(device)
+model = ref.ForCausalLM(config)
+# transformers' LlamaPreTrainedModel._init_weights (what replica's model does): linears and the
+# embedding N(0, 0.02), so both sides start from the same loss (~ln(vocabulary)).
+with torch.no_grad():
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            m.weight.normal_(0.0, 0.02)
+model = model.to(device)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 forward = torch.compile(model) if a.compile else model
 g = torch.Generator().manual_seed(1)
@@ -58,7 +65,11 @@ def step():
     loss.backward(); opt.step(); return loss
 for _ in range(a.warmup): step()
 sync()
-prof = torch.autograd.profiler.profile() if a.profile else None
+# On CUDA the kernels' own times (Kineto); on the CPU the per-op times bench/op_times.py reads.
+prof = None
+if a.profile:
+    prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            if device.type == "cuda" else torch.autograd.profiler.profile())
 if prof: prof.__enter__()
 t, c = time.perf_counter(), time.process_time()
 for _ in range(a.steps): loss = step()

@@ -14,13 +14,24 @@ for b in replica replica_gpu_tests bench/bench_llama_step bench/bench_memory_llm
   [ -x "$BUILD/$b" ] || { echo "gpu_bundle: $BUILD/$b is missing (scripts/setup.sh builds it)" >&2; exit 1; }
   cp "$BUILD/$b" "$OUT/bin/"
 done
-# glibc's and the loader's stay the machine's; LibTorch's and NVIDIA's come from its PyTorch.
-skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libutil\.so|libtorch|libc10|libnvidia|libcuda\.so|libgomp)'
+# glibc's, the loader's and the C++ runtime (libstdc++, libgcc_s: the machine's is as new or
+# newer, and its own libraries need it) stay the machine's; LibTorch's and NVIDIA's come from its PyTorch.
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libutil\.so|libstdc\+\+|libgcc_s|libtorch|libc10|libnvidia|libcuda\.so|libgomp)'
 for b in "$OUT"/bin/*; do
   ldd "$b" | awk '$3 ~ /^\// {print $1, $3}' | while read -r name path; do
     [[ "$name" =~ $skip ]] && continue
     [[ "$path" == *site-packages* ]] && continue
+    [[ "$path" == /usr/local/cuda* ]] && continue  # the CUDA runtime: the one its PyTorch loads
     cp -Ln "$path" "$OUT/lib/$name" 2>/dev/null || true
   done
 done
-du -sh "$OUT" | awk '{print "gpu_bundle: " $1 " in gpu-bundle/ (bin: replica, replica_gpu_tests, bench_llama_step, bench_memory_llm, bench_ddp_mlp)"}'
+# Opened with dlopen (replica/text/sentencepiece.cpp), so ldd does not list them: the versions
+# replica was compiled against (the machine's own may differ in its C++ ABI).
+for so in libsentencepiece.so.0 libsentencepiece_train.so.0; do
+  path=$(ldconfig -p | awk -v n="$so" '$1 == n && $NF ~ /^\// {print $NF; exit}')
+  [ -n "$path" ] || { echo "gpu_bundle: $so is missing (scripts/setup.sh installs libsentencepiece0)" >&2; exit 1; }
+  cp -L "$path" "$OUT/lib/$so"
+done
+tar -C "$OUT" -cJf "$OUT/bundle.tar.xz" bin lib
+rm -rf "$OUT/bin" "$OUT/lib"
+du -sh "$OUT/bundle.tar.xz" | awk '{print "gpu_bundle: " $1 " in gpu-bundle/bundle.tar.xz (bin: replica, replica_gpu_tests, bench_llama_step, bench_memory_llm, bench_ddp_mlp)"}'

@@ -20,11 +20,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPORT=${1:-${OUT:-.}/gpu-report.md}
-PY=${PYTHON:-$(command -v python3 || echo python3)}
+LOG=$(dirname "$REPORT")/gpu-check.log  # every step's whole output, for what the report only sums up
+REAL_PY=${PYTHON:-$(command -v python3 || echo python3)}
 ROUNDS=${ROUNDS:-3}
-TORCH_LIB=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null) || {
-  echo "gpu_check: no PyTorch in $PY (set PYTHON)" >&2; exit 1; }
-NVIDIA_LIBS=$("$PY" - <<'PY' 2>/dev/null
+TORCH_LIB=$("$REAL_PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null) || {
+  echo "gpu_check: no PyTorch in $REAL_PY (set PYTHON)" >&2; exit 1; }
+NVIDIA_LIBS=$("$REAL_PY" - <<'PY' 2>/dev/null
 import glob, os, site
 dirs = []
 for s in site.getsitepackages():
@@ -32,43 +33,143 @@ for s in site.getsitepackages():
 print(":".join(dirs))
 PY
 )
+mkdir -p "$(dirname "$REPORT")"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+# Python runs with the environment it came with: the library path below (a bundle's own
+# libstdc++, zlib, OpenSSL, ...) is for replica's binaries alone.
+PY=$WORK/python
+printf '#!/bin/sh\nLD_LIBRARY_PATH=%q exec %q "$@"\n' "${LD_LIBRARY_PATH:-}" "$REAL_PY" > "$PY"
+chmod +x "$PY"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$TORCH_LIB${NVIDIA_LIBS:+:$NVIDIA_LIBS}"
 BIN=${BUILD_DIR:-build}
 BENCH=$BIN/bench
 if ! "$BIN/replica" --version >/dev/null 2>&1; then
   [ -d gpu-bundle ] || { echo "gpu_check: $BIN/replica does not run here and there is no gpu-bundle/ (scripts/gpu_bundle.sh)" >&2; exit 1; }
+  if [ -f gpu-bundle/bundle.tar.xz ] && [ ! -d gpu-bundle/bin ]; then
+    tar -C gpu-bundle -xJf gpu-bundle/bundle.tar.xz 2>/dev/null || "$REAL_PY" -m tarfile -e gpu-bundle/bundle.tar.xz gpu-bundle ||
+      { echo "gpu_check: cannot unpack gpu-bundle/bundle.tar.xz" >&2; exit 1; }
+  fi
   export LD_LIBRARY_PATH="$PWD/gpu-bundle/lib:$LD_LIBRARY_PATH"
   BIN=gpu-bundle/bin
   BENCH=gpu-bundle/bin
-  "$BIN/replica" --version >/dev/null || { echo "gpu_check: gpu-bundle/bin/replica does not run here" >&2; exit 1; }
+  "$BIN/replica" --version || { echo "gpu_check: gpu-bundle/bin/replica does not run here" >&2; exit 1; }
 fi
-export REPLICA_TEST_BIN="$PWD/$BIN/replica"
-mkdir -p "$(dirname "$REPORT")"
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+# NCCL's own warnings into the log (an init or transport failure names its cause there).
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# The tests' program and checkout (replica/testing/paths.h): this machine's copies.
+export REPLICA_TEST_BIN="$PWD/$BIN/replica" REPLICA_TEST_SOURCE_DIR="$PWD"
+# SECTIONS: which parts run (default all): tests llama ddp sft zero3 memory; PROFILE=1 adds a Chrome
+# trace of each side's Llama step (llama-replica.json, llama-pytorch.json beside the report).
+SECTIONS=${SECTIONS:-tests llama ddp sft zero3 memory}
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+# Each step is bounded (timeout) so that one that hangs leaves the others their time.
+bounded() { local s=$1; shift; echo "### $* (at most ${s}s)" >> "$LOG"; timeout -k 10 "$s" "$@"; }
 say() { echo "$@" | tee -a "$REPORT"; }
 : > "$REPORT"
+: > "$LOG"
 say "# replica GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 say
 say '```'
 nvidia-smi -L 2>&1 | tee -a "$REPORT"
-"$BIN/replica" env 2>&1 | grep -E "replica version|LibTorch|GPUs|cuda:|CUDA runtime|nccl" | tee -a "$REPORT"
+"$BIN/replica" env 2>&1 | grep -E "replica version|LibTorch|GPUs|cuda:|CUDA runtime|nccl" | grep -v "_PATH=" | tee -a "$REPORT"
 say '```'
 
+if want tests; then
 say
 say "## gpu tests"
 say '```'
-"$BIN/replica_gpu_tests" 2>&1 | grep -E "^\[ *(OK|FAILED|SKIPPED|PASSED) *\]|Failure|error" | tee -a "$REPORT"
+bounded 200 "$BIN/replica_gpu_tests" > "$WORK/tests.log" 2>&1
+echo "(exit $?)" >> "$WORK/tests.log"
+cat "$WORK/tests.log" >> "$LOG"
+grep -E "^\[ *(OK|FAILED|SKIPPED|PASSED) *\]|Failure|rror|^\(exit" "$WORK/tests.log" | head -60 | tee -a "$REPORT"
 say '```'
 
+fi
+# Peak dense bf16 TFLOP/s of the GPU, for MFU.
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+case "$name" in
+  *H100*|*H200*) peak=989 ;; *A100*) peak=312 ;; *A10*) peak=125 ;; *L40S*) peak=362 ;; *) peak=0 ;;
+esac
+# The median of KEY=<number> over a file's lines.
+median() {
+  "$PY" - "$1" "$2" <<'PY'
+import re, statistics, sys
+vals = [float(m.group(1)) for l in open(sys.argv[1]) for m in [re.search(sys.argv[2] + r"=([0-9.]+)", l)] if m]
+print(statistics.median(vals) if vals else "nan")
+PY
+}
+# One benchmark run: its result line (the last line that holds KEY) into FILE and the report, or
+# its last lines into the report when it has none (a failure, which the medians then leave out).
+bench_run() {
+  local key=$1 file=$2; shift 2
+  bounded 120 "$@" > "$WORK/run.log" 2>&1
+  local rc=$?
+  cat "$WORK/run.log" >> "$LOG"
+  if grep -q "$key" "$WORK/run.log"; then
+    grep "$key" "$WORK/run.log" | tail -1 | tee -a "$file" "$REPORT"
+  else
+    { echo "($* failed, exit $rc:)"; tail -4 "$WORK/run.log"; } | tee -a "$REPORT"
+  fi
+}
+touch "$WORK/replica.txt" "$WORK/torch.txt" "$WORK/ddp_replica.txt" "$WORK/ddp_torch.txt"
+
+if want llama; then
+say
+say "## Llama-shape 503M, bf16 full fine-tune step, batch 8 x 1024 tokens, cuda:0 ($name, peak $peak TFLOP/s)"
+say "replica against PyTorch eager with SDPA, alternating $ROUNDS rounds, medians:"
+say '```'
+args="--device cuda --dtype bf16 --preset 500m --batch 8 --seq 1024 --steps 10 --warmup 3 --peak-tflops $peak"
+for i in $(seq "$ROUNDS"); do
+  bench_run "tokens/s=" "$WORK/replica.txt" "$BENCH/bench_llama_step" $args
+  bench_run "tokens/s=" "$WORK/torch.txt" "$PY" bench/llama_step.py --attn sdpa $args
+done
+r=$(median "$WORK/replica.txt" tokens/s) t=$(median "$WORK/torch.txt" tokens/s)
+rm_=$(median "$WORK/replica.txt" mfu) tm=$(median "$WORK/torch.txt" mfu)
+"$PY" -c "import sys; r, t = float(sys.argv[1]), float(sys.argv[2]); print(f'replica {r:.0f} tokens/s (MFU {sys.argv[3]}), PyTorch eager+SDPA {t:.0f} tokens/s (MFU {sys.argv[4]}): ratio {r / t:.2f} (goals: >= 1.0, MFU >= 0.40)')" \
+  "$r" "$t" "$rm_" "$tm" | tee -a "$REPORT"
+say '```'
+if [ "${PROFILE:-0}" = 1 ]; then
+  pargs="--device cuda --dtype bf16 --preset 500m --batch 8 --seq 1024 --steps 2 --warmup 3"
+  bounded 120 "$BENCH/bench_llama_step" $pargs --profile "$(dirname "$REPORT")/llama-replica.json" >> "$LOG" 2>&1
+  bounded 120 "$PY" bench/llama_step.py --attn sdpa $pargs --profile "$(dirname "$REPORT")/llama-pytorch.json" >> "$LOG" 2>&1
+fi
+
+fi
+# MLP-54M (784 -> 4 x 4096 -> 10, SGD with momentum) DDP step, world 1 on cuda:0: replica's DDP
+# over NCCL (bench_ddp_mlp under `replica launch`) against PyTorch's DDP over NCCL in a world-1
+# process group (bench/ddp_mlp_peer.py --ddp), so both sides pay DDP's own per-step costs. Batch
+# 256 per rank keeps the GPU busy (compare.sh's 16 would mostly time kernel launches); synthetic
+# data of Fashion-MNIST's shape, as this machine has no dataset package.
+if want ddp; then
+say
+say "## MLP-54M (4 x 4096) DDP step time, batch 256/rank, world 1, cuda:0 ($name)"
+say "replica against PyTorch DDP (NCCL), alternating $ROUNDS rounds, medians:"
+say '```'
+args="--device cuda --synthetic --hidden 4096 --layers 4 --batch 256 --steps 200 --warmup 20"
+for i in $(seq "$ROUNDS"); do
+  bench_run "peer=" "$WORK/ddp_replica.txt" "$BIN/replica" launch --nproc-per-node 1 -- "$BENCH/bench_ddp_mlp" $args
+  # torchrun's environment for one worker, on a port free now.
+  port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  bench_run "peer=" "$WORK/ddp_torch.txt" env MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" RANK=0 WORLD_SIZE=1 \
+    LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 "$PY" bench/ddp_mlp_peer.py --ddp $args
+done
+r=$(median "$WORK/ddp_replica.txt" steps/s) t=$(median "$WORK/ddp_torch.txt" steps/s)
+"$PY" -c "import sys; r, t = 1000 / float(sys.argv[1]), 1000 / float(sys.argv[2]); print(f'replica {r:.2f} ms/step, PyTorch DDP {t:.2f} ms/step: ratio replica/PyTorch step time {r / t:.2f} (goal <= 1.0)')" \
+  "$r" "$t" | tee -a "$REPORT"
+say '```'
+
+fi
+if want sft; then
 say
 say "## LLM SFT demo, LoRA, bf16, cuda:0"
-"$BIN/replica" llm init-demo "$WORK/demo" >/dev/null 2>&1
-"$BIN/replica" llm --train --model "$WORK/demo/model" --data-path "$WORK/demo/data" --project-name "$WORK/sft" \
+say '```'
+"$BIN/replica" llm init-demo "$WORK/demo" >> "$LOG" 2>&1
+bounded 180 "$BIN/replica" llm --train --model "$WORK/demo/model" --data-path "$WORK/demo/data" --project-name "$WORK/sft" \
   --trainer sft --peft --mixed-precision bf16 --device cuda --nproc-per-node 1 --max-steps 60 --logging-steps 10 \
   > "$WORK/sft.log" 2>&1
 sft_rc=$?
-say '```'
+cat "$WORK/sft.log" >> "$LOG"
 if [ $sft_rc -eq 0 ]; then
   "$PY" - "$WORK/sft/metrics.jsonl" <<'PY' | tee -a "$REPORT"
 import json, sys
@@ -77,83 +178,72 @@ tps = sorted(r.get("tokens_per_s", 0) for r in rows[1:]) or [0]
 print(f"steps {rows[-1]['step']}, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, median tokens/s {tps[len(tps)//2]:.0f}")
 PY
 else
-  tail -5 "$WORK/sft.log" | tee -a "$REPORT"
+  { echo "(failed, exit $sft_rc:)"; tail -5 "$WORK/sft.log"; } | tee -a "$REPORT"
 fi
 say '```'
 
-# Peak dense bf16 TFLOP/s of the GPU, for MFU.
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-case "$name" in
-  *H100*|*H200*) peak=989 ;; *A100*) peak=312 ;; *A10*) peak=125 ;; *L40S*) peak=362 ;; *) peak=0 ;;
-esac
+fi
+# ZeRO-3 against DDP, full fine-tune (no LoRA) of a Llama shape of ~0.3B parameters (hidden 1024,
+# 24 layers, the demo's tokenizer and data; made here with transformers, random weights), two
+# workers sharing the one GPU over Gloo (NCCL refuses two ranks on one device), bf16 autocast,
+# 3 steps: each worker's model state and the CUDA allocator's peaks, from the trainer's own
+# end-of-run line. Over Gloo the collectives cross the host, so no step times here.
+if want zero3; then
 say
-say "## Llama-shape 503M, bf16 full fine-tune step, batch 8 x 1024 tokens, cuda:0 ($name, peak $peak TFLOP/s)"
-say "alternating $ROUNDS rounds, medians:"
+say "## ZeRO-3 against DDP memory per worker, full fine-tune of a 0.3B Llama shape, 2 workers on cuda:0 over Gloo"
 say '```'
-args="--device cuda --dtype bf16 --preset 500m --batch 8 --seq 1024 --steps 10 --warmup 3 --peak-tflops $peak"
-for i in $(seq "$ROUNDS"); do
-  "$BENCH/bench_llama_step" $args 2>&1 | tail -1 | tee -a "$WORK/replica.txt" "$REPORT"
-  "$PY" bench/llama_step.py --attn sdpa $args 2>&1 | tail -1 | tee -a "$WORK/torch.txt" "$REPORT"
-done
-"$PY" - "$WORK/replica.txt" "$WORK/torch.txt" <<'PY' | tee -a "$REPORT"
-import re, statistics, sys
-def med(path, key):
-    vals = [float(m.group(1)) for l in open(path) for m in [re.search(key + r"=([0-9.]+)", l)] if m]
-    return statistics.median(vals) if vals else float("nan")
-r, t = med(sys.argv[1], "tokens/s"), med(sys.argv[2], "tokens/s")
-print(f"replica {r:.0f} tokens/s (MFU {med(sys.argv[1], 'mfu'):.3f}), PyTorch eager+SDPA {t:.0f} tokens/s "
-      f"(MFU {med(sys.argv[2], 'mfu'):.3f}): ratio {r / t:.2f}")
+[ -d "$WORK/demo" ] || "$BIN/replica" llm init-demo "$WORK/demo" >> "$LOG" 2>&1
+ZMODEL=${ZERO3_MODEL:-hidden=1024,layers=24,heads=16,kv=8,intermediate=2816}
+"$PY" - "$WORK/demo/model" "$WORK/big" "$ZMODEL" >> "$LOG" 2>&1 <<'PY'
+import json, os, shutil, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+src, dst, shape = sys.argv[1], sys.argv[2], dict(kv.split("=") for kv in sys.argv[3].split(","))
+base = json.load(open(os.path.join(src, "config.json")))
+config = LlamaConfig(vocab_size=base["vocab_size"], hidden_size=int(shape["hidden"]), num_hidden_layers=int(shape["layers"]),
+                     num_attention_heads=int(shape["heads"]), num_key_value_heads=int(shape["kv"]),
+                     intermediate_size=int(shape["intermediate"]), max_position_embeddings=2048,
+                     bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"),
+                     pad_token_id=base.get("pad_token_id"), tie_word_embeddings=False)
+torch.manual_seed(0)
+LlamaForCausalLM(config).save_pretrained(dst, safe_serialization=True)
+for f in os.listdir(src):
+    if f.startswith("tokenizer") or f.startswith("special_tokens"):
+        shutil.copy(os.path.join(src, f), dst)
+print(f"{dst}: {sum(p.numel() for p in LlamaForCausalLM(config).parameters()) / 1e9:.2f}B parameters")
 PY
-say '```'
-
-# MLP-54M (784 -> 4 x 4096 -> 10, SGD with momentum) DDP step, world 1 on cuda:0: replica's DDP
-# over NCCL (bench_ddp_mlp under `replica launch`) against PyTorch's DDP over NCCL in a world-1
-# process group (bench/ddp_mlp_peer.py --ddp), so both sides pay DDP's own per-step costs. Batch
-# 256 per rank keeps the GPU busy (compare.sh's 16 would mostly time kernel launches); synthetic
-# data of Fashion-MNIST's shape, as this machine has no dataset package.
-say
-say "## MLP-54M (4 x 4096) DDP step time, batch 256/rank, world 1, cuda:0 ($name)"
-say "replica against PyTorch DDP (NCCL), alternating $ROUNDS rounds, medians:"
-say '```'
-args="--device cuda --synthetic --hidden 4096 --layers 4 --batch 256 --steps 200 --warmup 20"
-# The result line of a run, or its last lines when it failed (into the report, not the medians).
-result_line() { grep "peer=" "$1" | tail -1 | tee -a "$2" "$REPORT"; grep -q "peer=" "$1" || tail -3 "$1" | tee -a "$REPORT"; }
-for i in $(seq "$ROUNDS"); do
-  "$BIN/replica" launch --nproc-per-node 1 -- "$BENCH/bench_ddp_mlp" $args > "$WORK/ddp_run.log" 2>&1
-  result_line "$WORK/ddp_run.log" "$WORK/ddp_replica.txt"
-  # torchrun's environment for one worker, on a port free now.
-  port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  MASTER_ADDR=127.0.0.1 MASTER_PORT=$port RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
-    "$PY" bench/ddp_mlp_peer.py --ddp $args > "$WORK/ddp_run.log" 2>&1
-  result_line "$WORK/ddp_run.log" "$WORK/ddp_torch.txt"
+tail -1 "$LOG" | tee -a "$REPORT"
+for backend in ddp zero3; do
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} bounded 110 "$BIN/replica" llm --train --model "$WORK/big" \
+    --data-path "$WORK/demo/data" --project-name "$WORK/z-$backend" --trainer sft --mixed-precision bf16 \
+    --distributed-backend "$backend" --device "${ZERO3_DEVICE:-cuda}" --nproc-per-node 2 --ddp-backend gloo \
+    --max-steps 3 --block-size 256 --batch-size 2 --logging-steps 1 > "$WORK/z.log" 2>&1
+  rc=$?
+  cat "$WORK/z.log" >> "$LOG"
+  grep -E "rank 0: backend" "$WORK/z.log" | sed 's/^\[[^]]*\] //' | tee -a "$REPORT"
+  grep -q "rank 0: backend" "$WORK/z.log" || { echo "($backend failed, exit $rc:)"; tail -4 "$WORK/z.log"; } | tee -a "$REPORT"
 done
-"$PY" - "$WORK/ddp_replica.txt" "$WORK/ddp_torch.txt" <<'PY' | tee -a "$REPORT"
-import re, statistics, sys
-def med(path, key):
-    vals = [float(m.group(1)) for l in open(path) for m in [re.search(key + r"=([0-9.]+)", l)] if m]
-    return statistics.median(vals) if vals else float("nan")
-r, t = 1000 / med(sys.argv[1], "steps/s"), 1000 / med(sys.argv[2], "steps/s")
-print(f"replica {r:.2f} ms/step, PyTorch DDP {t:.2f} ms/step: ratio replica/PyTorch step time {r / t:.2f} (goal <= 1.0)")
-PY
 say '```'
-
+fi
 # bench/memory_compare.sh: LoRA SFT of a 349M Llama shape (hidden 1024, 24 layers, 16 heads / 8 KV
 # heads, SwiGLU 2816, vocabulary 32000), batch 1 x 2048 tokens, gradient checkpointing and SDPA on,
 # replica (bench_memory_llm) against transformers + peft (bench/memory_llm.py) on this GPU; the
 # memory figure compared is the CUDA caching allocator's peak allocated (reserved and the host's
 # peak RSS are listed too). Needs transformers and peft in $PY.
+if want memory; then
 for dtype in bf16 fp32; do
   say
   say "## LoRA SFT memory, Llama-shape 349M, $dtype, batch 1 x 2048 tokens, cuda:0 ($name)"
   say "replica against transformers + peft, gradient checkpointing and SDPA on, alternating $ROUNDS rounds, medians:"
   say '```'
-  PYTHON="$PY" BENCH="$BENCH" bench/memory_compare.sh "$ROUNDS" --device cuda --dtype "$dtype" --steps 10 --warmup 3 \
-    2>&1 | tee -a "$REPORT"
+  PYTHON="$PY" BENCH="$BENCH" bounded 150 bench/memory_compare.sh "$ROUNDS" --device cuda --dtype "$dtype" --steps 10 --warmup 3 \
+    2>&1 | tee -a "$REPORT" "$LOG"
   say '```'
 done
 say
 say "## LoRA SFT over an NF4 (int4) base, replica alone, bf16, same model and sequence"
 say '```'
-"$BENCH/bench_memory_llm" --device cuda --dtype bf16 --quantization int4 --steps 10 --warmup 3 2>&1 | tail -1 | tee -a "$REPORT"
+bench_run "tokens/s=" "$WORK/int4.txt" "$BENCH/bench_memory_llm" --device cuda --dtype bf16 --quantization int4 --steps 10 --warmup 3
 say '```'
-echo "gpu_check: report in $REPORT"
+fi
+echo "gpu_check: report in $REPORT, every step's output in $LOG"

@@ -73,7 +73,8 @@ torch::Tensor in_batch_softmax_loss(const torch::Tensor& users, const torch::Ten
   if (!(temperature > 0)) fail("two-tower: temperature must be > 0, got {}", temperature);
   if (users.size(0) + first_row > items.size(0)) fail("two-tower: {} rows from {} exceed {} items", users.size(0), first_row, items.size(0));
   torch::Tensor scores = torch::matmul(users, items.t()) / temperature;
-  torch::Tensor targets = torch::arange(first_row, first_row + users.size(0), torch::kLong);
+  torch::Tensor targets =
+      torch::arange(first_row, first_row + users.size(0), torch::TensorOptions(torch::kLong).device(users.device()));
   return torch::nn::functional::cross_entropy(scores, targets);
 }
 
@@ -82,7 +83,7 @@ RetrievalSums retrieval_sums(const torch::Tensor& scores, const torch::Tensor& t
   if (scores.size(0) == 0) return sums;
   // Rank of the target = number of items scoring strictly higher (ties in the target's favour).
   torch::Tensor target_scores = scores.gather(1, targets.unsqueeze(1));
-  torch::Tensor ranks = scores.gt(target_scores).sum(1);
+  torch::Tensor ranks = scores.gt(target_scores).sum(1).cpu();  // read on the host below
   auto r = ranks.accessor<int64_t, 1>();
   for (int64_t q = 0; q < ranks.size(0); ++q) {
     if (r[q] < k) {

@@ -8,6 +8,8 @@
 
 namespace replica::testing {
 
+// The environment variables REPLICA_TEST_SOURCE_DIR and REPLICA_TEST_BIN, where set, name them
+// instead (a bundle run on another machine: scripts/gpu_check.sh).
 const char* checkout_dir();   // the checkout (CMAKE_SOURCE_DIR)
 const char* built_replica();  // the built program (<build>/replica)
 const char* configured_python();  // REPLICA_PYTHON: the interpreter with the referees, "" when not configured

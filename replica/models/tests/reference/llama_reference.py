@@ -145,7 +145,7 @@ class LlamaRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x, position_ids):
-        inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        inv_freq_expanded = self.inv_freq[None, :, None].float().to(x.device).expand(position_ids.shape[0], -1, 1)
         position_ids_expanded = position_ids[:, None, :].float()
         freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -274,15 +274,15 @@ class Model(nn.Module):
         inputs_embeds = self.embed_tokens(input_ids)
         B, T = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(T).unsqueeze(0).expand(B, T)
+            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
         # The 4D additive mask HF builds for eager attention: 0 where allowed, finfo.min
         # elsewhere (causal; block-diagonal when segments are given).
         dtype = inputs_embeds.dtype
         min_dtype = torch.finfo(dtype).min
-        allowed = torch.ones(T, T, dtype=torch.bool).tril()[None].expand(B, T, T)
+        allowed = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None].expand(B, T, T)
         if segment_ids is not None:
             allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        mask = torch.zeros(B, 1, T, T, dtype=dtype).masked_fill(~allowed[:, None], min_dtype)
+        mask = torch.zeros(B, 1, T, T, dtype=dtype, device=input_ids.device).masked_fill(~allowed[:, None], min_dtype)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
