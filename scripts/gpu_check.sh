@@ -99,15 +99,16 @@ vals = [float(m.group(1)) for l in open(sys.argv[1]) for m in [re.search(sys.arg
 print(statistics.median(vals) if vals else "nan")
 PY
 }
-# One benchmark run: its result line (the last line that holds KEY) into FILE and the report, or
-# its last lines into the report when it has none (a failure, which the medians then leave out).
+# One run (at most BOUND seconds, default 120): its result line (the last line that holds KEY,
+# without a log line's "[time level] " prefix) into FILE and the report, or its last lines into
+# the report when it has none (a failure, which the medians then leave out).
 bench_run() {
   local key=$1 file=$2; shift 2
-  bounded 120 "$@" > "$WORK/run.log" 2>&1
+  bounded "${BOUND:-120}" "$@" > "$WORK/run.log" 2>&1
   local rc=$?
   cat "$WORK/run.log" >> "$LOG"
   if grep -q "$key" "$WORK/run.log"; then
-    grep "$key" "$WORK/run.log" | tail -1 | tee -a "$file" "$REPORT"
+    grep "$key" "$WORK/run.log" | tail -1 | sed 's/^\[[^]]*\] //' | tee -a "$file" "$REPORT"
   else
     { echo "($* failed, exit $rc:)"; tail -4 "$WORK/run.log"; } | tee -a "$REPORT"
   fi
@@ -214,14 +215,10 @@ print(f"{dst}: {sum(p.numel() for p in LlamaForCausalLM(config).parameters()) / 
 PY
 tail -1 "$LOG" | tee -a "$REPORT"
 for backend in ddp zero3; do
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} bounded 110 "$BIN/replica" llm --train --model "$WORK/big" \
-    --data-path "$WORK/demo/data" --project-name "$WORK/z-$backend" --trainer sft --mixed-precision bf16 \
-    --distributed-backend "$backend" --device "${ZERO3_DEVICE:-cuda}" --nproc-per-node 2 --ddp-backend gloo \
-    --max-steps 3 --block-size 256 --batch-size 2 --logging-steps 1 > "$WORK/z.log" 2>&1
-  rc=$?
-  cat "$WORK/z.log" >> "$LOG"
-  grep -E "rank 0: backend" "$WORK/z.log" | sed 's/^\[[^]]*\] //' | tee -a "$REPORT"
-  grep -q "rank 0: backend" "$WORK/z.log" || { echo "($backend failed, exit $rc:)"; tail -4 "$WORK/z.log"; } | tee -a "$REPORT"
+  BOUND=110 bench_run "rank 0: backend" "$WORK/zero3.txt" env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+    "$BIN/replica" llm --train --model "$WORK/big" --data-path "$WORK/demo/data" --project-name "$WORK/z-$backend" \
+    --trainer sft --mixed-precision bf16 --distributed-backend "$backend" --device "${ZERO3_DEVICE:-cuda}" \
+    --nproc-per-node 2 --ddp-backend gloo --max-steps 3 --block-size 256 --batch-size 2 --logging-steps 1
 done
 say '```'
 fi
