@@ -1,10 +1,13 @@
 // Tokens/s of a full training step (forward, loss, backward, AdamW) of a Llama, against the
 // same model in PyTorch eager (bench/llama_step.py), on the CPU or a GPU.
 // usage: bench_llama_step [--batch 4 --seq 256 --steps 10 --warmup 2 --threads 1 --profile FILE]
-//                         [--device cpu|cuda] [--dtype fp32|bf16] [--preset small|500m] [--peak-tflops T]
+//                         [--device cpu|cuda] [--dtype fp32|bf16|bf16-weights] [--preset small|500m] [--peak-tflops T]
 // --profile writes a Chrome trace of the timed steps (per-op times; bench/op_times.py sums them).
 // --dtype bf16 runs forward and backward under bf16 autocast with fp32 weights and optimizer
-// state, as the trainer's mixed_precision: bf16 does. --peak-tflops prints the model FLOPs
+// state, as the trainer's mixed_precision: bf16 does. --dtype bf16-weights holds the weights in
+// bf16 and computes in bf16 throughout (no autocast), the optimizer stepping fp32 master copies
+// (train/optim.h, Note [master weights]): FSDP2's MixedPrecisionPolicy(param_dtype=bf16), what
+// torchtitan trains with. --peak-tflops prints the model FLOPs
 // utilisation, 6 x parameters x tokens/s over the device's peak (H100 SXM bf16 dense: 989).
 #include "replica/core/cpu_gemm.h"
 #include "replica/core/system.h"
@@ -54,7 +57,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads")->capture_default_str();
   app.add_option("--profile", profile, "Write a Chrome trace of the timed steps to this file");
   app.add_option("--device", device_name, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  app.add_option("--dtype", dtype, "fp32, or bf16 autocast")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  app.add_option("--dtype", dtype, "fp32, bf16 (autocast), or bf16-weights")
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-weights"}))
+      ->capture_default_str();
   app.add_option("--preset", preset, "small (20M) or 500m")->check(CLI::IsMember({"small", "500m"}))->capture_default_str();
   app.add_option("--peak-tflops", peak_tflops, "The device's peak TFLOP/s: prints MFU");
   CLI11_PARSE(app, argc, argv);
@@ -63,7 +68,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_llama_step: --device cuda but no GPU is visible\n");
     return 1;
   }
-  const bool bf16 = dtype == "bf16";
+  const bool bf16 = dtype == "bf16";  // autocast; bf16-weights converts the model instead
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize();
   };
@@ -73,6 +78,7 @@ int main(int argc, char** argv) {
   auto config = replica::models::parse_llama_config(preset == "500m" ? k500m : kSmall, "bench config");
   replica::models::LlamaForCausalLM model(config);
   model->to(device);
+  if (dtype == "bf16-weights") model->to(torch::kBFloat16);
   // The trainer's AdamW (replica::train::FusedAdamW), with torch.optim.AdamW's default weight
   // decay as on the PyTorch side.
   replica::train::OptimizerSpec spec;

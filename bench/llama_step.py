@@ -3,7 +3,8 @@
 # usage: .venv/bin/python bench/llama_step.py [--batch 4 --seq 256 --steps 10 --warmup 2] [--compile]
 #        [--attn eager|sdpa] [--device cpu|cuda] [--dtype fp32|bf16] [--preset small|500m] [--peak-tflops T]
 # --dtype bf16: forward and loss under torch.autocast(bf16), fp32 weights and AdamW state (the
-# trainer's mixed_precision: bf16). --peak-tflops prints MFU = 6 x parameters x tokens/s / peak.
+# trainer's mixed_precision: bf16). --dtype bf16-weights: the model in bf16 (no autocast), AdamW
+# stepping fp32 master copies that are copied back after each step (replica's side does the same). --peak-tflops prints MFU = 6 x parameters x tokens/s / peak.
 # --compile times torch.compile(model) (Inductor, CPU) instead of eager; the warm-up steps
 # include the compilation. --attn sdpa runs attention through F.scaled_dot_product_attention
 # (transformers' default attn_implementation, and what replica runs) instead of the reference's
@@ -16,7 +17,7 @@ p.add_argument("--profile", default="", help="write a Chrome trace of the timed 
 p.add_argument("--compile", action="store_true", help="torch.compile the model (Inductor) instead of eager")
 p.add_argument("--attn", choices=["eager", "sdpa"], default="eager", help="attention implementation")
 p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+p.add_argument("--dtype", choices=["fp32", "bf16", "bf16-weights"], default="fp32")
 p.add_argument("--preset", choices=["small", "500m"], default="small", help="small: 20M; 500m: 503M parameters")
 p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak TFLOP/s: prints MFU")
 a = p.parse_args()
@@ -52,17 +53,29 @@ with torch.no_grad():
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             m.weight.normal_(0.0, 0.02)
 model = model.to(device)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+masters = None
+if a.dtype == "bf16-weights":
+    model = model.to(torch.bfloat16)
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+opt = torch.optim.AdamW(masters if masters else model.parameters(), lr=1e-4)
 forward = torch.compile(model) if a.compile else model
 g = torch.Generator().manual_seed(1)
 def sync():
     if device.type == "cuda": torch.cuda.synchronize()
 def step():
     ids = torch.randint(0, config["vocab_size"], (a.batch, a.seq), generator=g).to(device)
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True); model.zero_grad(set_to_none=True)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
         loss = ref.for_causal_lm_loss(forward(ids), ids)
-    loss.backward(); opt.step(); return loss
+    loss.backward()
+    if masters:
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+    opt.step()
+    if masters:
+        with torch.no_grad():
+            torch._foreach_copy_(list(model.parameters()), masters)
+    return loss
 for _ in range(a.warmup): step()
 sync()
 # On CUDA the kernels' own times (Kineto); on the CPU the per-op times bench/op_times.py reads.

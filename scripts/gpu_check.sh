@@ -60,7 +60,9 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # The tests' program and checkout (replica/testing/paths.h): this machine's copies.
 export REPLICA_TEST_BIN="$PWD/$BIN/replica" REPLICA_TEST_SOURCE_DIR="$PWD"
 # SECTIONS: which parts run (default all): tests llama ddp sft zero3 memory; PROFILE=1 adds a Chrome
-# trace of each side's Llama step (llama-replica.json, llama-pytorch.json beside the report).
+# trace of each side's Llama step (llama-{replica,pytorch}-MODE.json beside the report);
+# GPU_TESTS: a gtest filter for the tests; LLAMA_RUNS: the Llama step's precision:batch pairs
+# (default bf16:8 bf16-weights:8 bf16-weights:16).
 SECTIONS=${SECTIONS:-tests llama ddp sft zero3 memory}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 # Each step is bounded (timeout) so that one that hangs leaves the others their time.
@@ -79,7 +81,7 @@ if want tests; then
 say
 say "## gpu tests"
 say '```'
-bounded 200 "$BIN/replica_gpu_tests" > "$WORK/tests.log" 2>&1
+bounded 200 "$BIN/replica_gpu_tests" ${GPU_TESTS:+--gtest_filter="$GPU_TESTS"} > "$WORK/tests.log" 2>&1
 echo "(exit $?)" >> "$WORK/tests.log"
 cat "$WORK/tests.log" >> "$LOG"
 grep -E "^\[ *(OK|FAILED|SKIPPED|PASSED) *\]|Failure|rror|^\(exit" "$WORK/tests.log" | head -60 | tee -a "$REPORT"
@@ -116,25 +118,37 @@ bench_run() {
 touch "$WORK/replica.txt" "$WORK/torch.txt" "$WORK/ddp_replica.txt" "$WORK/ddp_torch.txt"
 
 if want llama; then
+# Two precisions, each side in the same one: bf16 = autocast over fp32 weights (the trainer's
+# mixed_precision: bf16, PyTorch's torch.autocast); bf16-weights = the model in bf16, AdamW on
+# fp32 master copies (FSDP2's param_dtype=bf16; bench/llama_step.{cpp,py}). Then replica once
+# without its fused kernels (REPLICA_FUSED_KERNELS=0, Note [fused kernels]), for their share.
+for run in ${LLAMA_RUNS:-bf16:8 bf16-weights:8 bf16-weights:16}; do
+mode=${run%%:*} batch=${run##*:}
 say
-say "## Llama-shape 503M, bf16 full fine-tune step, batch 8 x 1024 tokens, cuda:0 ($name, peak $peak TFLOP/s)"
+say "## Llama-shape 503M, full fine-tune step ($mode), batch $batch x 1024 tokens, cuda:0 ($name, peak $peak TFLOP/s)"
 say "replica against PyTorch eager with SDPA, alternating $ROUNDS rounds, medians:"
 say '```'
-args="--device cuda --dtype bf16 --preset 500m --batch 8 --seq 1024 --steps 10 --warmup 3 --peak-tflops $peak"
+args="--device cuda --dtype $mode --preset 500m --batch $batch --seq 1024 --steps 10 --warmup 3 --peak-tflops $peak"
+: > "$WORK/replica.txt"; : > "$WORK/torch.txt"
 for i in $(seq "$ROUNDS"); do
   bench_run "tokens/s=" "$WORK/replica.txt" "$BENCH/bench_llama_step" $args
   bench_run "tokens/s=" "$WORK/torch.txt" "$PY" bench/llama_step.py --attn sdpa $args
 done
+if [ "$batch" = 8 ]; then
+  say "replica without its fused kernels (REPLICA_FUSED_KERNELS=0), once:"
+  bench_run "tokens/s=" "$WORK/unfused.txt" env REPLICA_FUSED_KERNELS=0 "$BENCH/bench_llama_step" $args
+fi
 r=$(median "$WORK/replica.txt" tokens/s) t=$(median "$WORK/torch.txt" tokens/s)
 rm_=$(median "$WORK/replica.txt" mfu) tm=$(median "$WORK/torch.txt" mfu)
-"$PY" -c "import sys; r, t = float(sys.argv[1]), float(sys.argv[2]); print(f'replica {r:.0f} tokens/s (MFU {sys.argv[3]}), PyTorch eager+SDPA {t:.0f} tokens/s (MFU {sys.argv[4]}): ratio {r / t:.2f} (goals: >= 1.0, MFU >= 0.40)')" \
-  "$r" "$t" "$rm_" "$tm" | tee -a "$REPORT"
+"$PY" -c "import sys; r, t = float(sys.argv[1]), float(sys.argv[2]); print(f'{sys.argv[5]}: replica {r:.0f} tokens/s (MFU {sys.argv[3]}), PyTorch eager+SDPA {t:.0f} tokens/s (MFU {sys.argv[4]}): ratio {r / t:.2f} (goals: >= 1.0, MFU >= 0.40)')" \
+  "$r" "$t" "$rm_" "$tm" "$mode, batch $batch" | tee -a "$REPORT"
 say '```'
-if [ "${PROFILE:-0}" = 1 ]; then
-  pargs="--device cuda --dtype bf16 --preset 500m --batch 8 --seq 1024 --steps 2 --warmup 3"
-  bounded 120 "$BENCH/bench_llama_step" $pargs --profile "$(dirname "$REPORT")/llama-replica.json" >> "$LOG" 2>&1
-  bounded 120 "$PY" bench/llama_step.py --attn sdpa $pargs --profile "$(dirname "$REPORT")/llama-pytorch.json" >> "$LOG" 2>&1
+if [ "${PROFILE:-0}" = 1 ] && [ "$batch" = 8 ]; then
+  pargs="--device cuda --dtype $mode --preset 500m --batch 8 --seq 1024 --steps 2 --warmup 3"
+  bounded 120 "$BENCH/bench_llama_step" $pargs --profile "$(dirname "$REPORT")/llama-replica-$mode.json" >> "$LOG" 2>&1
+  bounded 120 "$PY" bench/llama_step.py --attn sdpa $pargs --profile "$(dirname "$REPORT")/llama-pytorch-$mode.json" >> "$LOG" 2>&1
 fi
+done
 
 fi
 # MLP-54M (784 -> 4 x 4096 -> 10, SGD with momentum) DDP step, world 1 on cuda:0: replica's DDP

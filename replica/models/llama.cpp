@@ -9,10 +9,12 @@
 #include "replica/models/attention_sinks.h"
 #include "replica/models/chunked_cross_entropy.h"
 #include "replica/models/config_json.h"
+#include "replica/models/fused_ops.h"
 #include "replica/models/linear.h"
 #include "replica/models/recompute.h"
 #include "replica/models/rope_yarn.h"
 
+#include <ATen/autocast_mode.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -100,8 +102,11 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
 
 void check_token_ids(const torch::Tensor& ids, int64_t vocab_size, const char* what) {
   if (ids.numel() == 0) return;
-  const int64_t lo = ids.min().item<int64_t>();
-  const int64_t hi = ids.max().item<int64_t>();
+  // Both bounds in one transfer: one wait for the device where the ids are on a GPU.
+  const auto [min, max] = torch::aminmax(ids);
+  const auto bounds = torch::stack({min, max}).to(torch::kCPU, torch::kInt64);
+  const int64_t lo = bounds[0].item<int64_t>();
+  const int64_t hi = bounds[1].item<int64_t>();
   if (lo < 0 || hi >= vocab_size) {
     fail("{}: token id {} is out of range for vocab_size {}", what, lo < 0 ? lo : hi, vocab_size);
   }
@@ -443,6 +448,10 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype, NormS
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  // On a GPU, one fused kernel where the family multiplies by the weight (Note [fused kernels]).
+  if (style_ != NormStyle::kOnePlusWeight && x.scalar_type() == weight.scalar_type() && fused_kernels_for(x)) {
+    return fused_rms_norm(x, weight, eps_);
+  }
   // Normalise in fp32, then apply the weight where the family's RMSNorm does.
   const auto input_dtype = x.scalar_type();
   auto h = x.to(torch::kFloat32);
@@ -585,15 +594,31 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   }
   // [B, heads, T, D], then rotate q and k by their positions. Olmo's apply_rotary_pos_emb
   // rotates in fp32 (its cos/sin stay fp32) and casts back to q's and k's dtype.
-  q = q.transpose(1, 2);
-  k = k.transpose(1, 2);
-  if (rope_in_fp32_ && q.scalar_type() != cos.scalar_type()) {
-    const auto qt = q.scalar_type(), kt = k.scalar_type();
-    q = apply_rotary(q.to(cos.scalar_type()), cos, sin).to(qt);
-    k = apply_rotary(k.to(cos.scalar_type()), cos, sin).to(kt);
+  if (fused_kernels_for(q)) {
+    // One kernel per tensor on a GPU, before the transpose (Note [fused kernels]): written in
+    // the dtype attention reads, the autocast dtype under autocast (GPT-OSS's eager sink path
+    // aside), else what HF's q * cos gives.
+    const auto device = q.device().type();
+    auto rotated = [&](const torch::Tensor& t) {
+      torch::ScalarType out = rope_in_fp32_ ? t.scalar_type() : at::promote_types(t.scalar_type(), cos.scalar_type());
+      if (!rope_in_fp32_ && !sinks.defined() && at::autocast::is_autocast_enabled(device)) {
+        out = at::autocast::get_autocast_dtype(device);
+      }
+      return fused_rotary(t, cos, sin, out).transpose(1, 2);
+    };
+    q = rotated(q);
+    k = rotated(k);
   } else {
-    q = apply_rotary(q, cos, sin);
-    k = apply_rotary(k, cos, sin);
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
+    if (rope_in_fp32_ && q.scalar_type() != cos.scalar_type()) {
+      const auto qt = q.scalar_type(), kt = k.scalar_type();
+      q = apply_rotary(q.to(cos.scalar_type()), cos, sin).to(qt);
+      k = apply_rotary(k.to(cos.scalar_type()), cos, sin).to(kt);
+    } else {
+      q = apply_rotary(q, cos, sin);
+      k = apply_rotary(k, cos, sin);
+    }
   }
   v = v.transpose(1, 2);
   // softmax(q k^T * scale, masked) v through ATen's fused attention; see Note [attention
@@ -623,6 +648,9 @@ torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
   // The activated gate branch times the linear branch, projected back to hidden_size: SwiGLU,
   // or Gemma's GELU (tanh approximation, ACT2FN["gelu_pytorch_tanh"]).
   auto gate = gate_proj(x);
+  if (activation_ == Activation::kSilu && fused_kernels_for(gate)) {
+    return down_proj(fused_swiglu(gate, up_proj(x)));  // one kernel on a GPU (Note [fused kernels])
+  }
   gate = activation_ == Activation::kSilu ? torch::silu(gate) : torch::gelu(gate, "tanh");
   return down_proj(gate * up_proj(x));
 }
@@ -908,6 +936,9 @@ TokenLoss causal_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& l
   }
   const int64_t V = logits.size(2);
   auto flat_targets = causal_lm_targets(labels, segment_ids).view({-1});
+  if (fused_kernels_for(logits)) {  // one kernel each way on a GPU (Note [fused kernels])
+    return {fused_cross_entropy_sum(logits.reshape({-1, V}), flat_targets), (flat_targets != -100).sum()};
+  }
   auto sum = torch::nn::functional::cross_entropy(
       logits.to(torch::kFloat32).reshape({-1, V}), flat_targets,
       torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));

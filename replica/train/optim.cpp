@@ -176,6 +176,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
     struct Lists {
       std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+      std::vector<float> step_counts;
     };
     std::map<std::pair<std::string, int>, Lists> by_kind;
     for (auto& p : group.params()) {
@@ -188,13 +189,19 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       l.exp_avgs.push_back(s.exp_avg());
       l.exp_avg_sqs.push_back(s.exp_avg_sq());
       if (options.amsgrad()) l.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
-      // The kernel reads the step count (for the bias corrections) from a float32 tensor on
-      // the parameter's device, as PyTorch's fused AdamW keeps it.
-      l.steps.push_back(torch::full({}, static_cast<double>(s.step()),
-                                    torch::TensorOptions().dtype(torch::kFloat32).device(p.device())));
+      l.step_counts.push_back(static_cast<float>(s.step()));
     }
     const auto [beta1, beta2] = options.betas();
     for (auto& [kind, l] : by_kind) {
+      // The kernel reads the step counts (for the bias corrections) from float32 tensors on the
+      // parameters' device, as PyTorch's fused AdamW keeps them: here views of one tensor, made
+      // on a GPU by one copy from pinned memory rather than a fill kernel per parameter.
+      const auto device = l.params.front().device();
+      auto counts = torch::from_blob(l.step_counts.data(), {static_cast<int64_t>(l.step_counts.size())},
+                                     torch::kFloat32);
+      if (device.is_cuda()) counts = counts.pin_memory().to(device, /*non_blocking=*/true);
+      else counts = counts.clone();
+      for (int64_t i = 0; i < counts.size(0); ++i) l.steps.push_back(counts[i]);
       at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps, options.lr(), beta1,
                         beta2, options.weight_decay(), options.eps(), options.amsgrad(), /*maximize=*/false);
     }
@@ -212,28 +219,48 @@ torch::Tensor StateHome::state_zeros(const torch::Tensor& param) const {
 //   none  with the parameters it steps (a GPU's memory, or RAM for CPU training);
 //   cpu   in host RAM, the step on the host: for parameters on a GPU, pinned host copies of
 //         them (fp32 like the parameters), their gradients copied down after backward and
-//         the stepped values copied back (HostOffloadOptimizer). For CPU training the state
+//         the stepped values copied back (CopyStepOptimizer). For CPU training the state
 //         is in host RAM already: nothing moves.
 //   nvme  as cpu, with every state tensor (AdamW's exp_avg and exp_avg_sq, SGD's momentum)
 //         a memory-mapped file under nvme_path (replica/core/file_tensor.h), so state larger
 //         than RAM pages to disk instead of failing.
 // The arithmetic is the same fused kernel on the same values in every case, so an offloaded
 // run's weights equal the in-memory run's (bit for bit on the CPU).
+//
+// Note [master weights]
+// Parameters held in bf16 or fp16 (a model computing in bf16 throughout, as FSDP2's
+// MixedPrecisionPolicy(param_dtype=bf16) and DeepSpeed's bf16 mode run it) are not stepped in
+// their own dtype: an update smaller than half a bf16 ulp of the weight (lr 1e-5 on a weight of
+// 1 is 1/400 of one) would round away. The optimizer steps fp32 copies of them instead, beside
+// the parameters (or in pinned host memory when offloaded), its state fp32 too: each step
+// casts the gradients up, steps the copies and rounds them back into the parameters (the same
+// CopyStepOptimizer as offload). fp32 parameters are stepped in place as before.
+namespace {
+bool is_low_precision(const torch::Tensor& p) {
+  return p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kHalf;
+}
+}  // namespace
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params) {
   const bool on_gpu = std::any_of(params.begin(), params.end(), [](const torch::Tensor& p) { return !p.device().is_cpu(); });
   const bool host_step = spec.offload != OffloadDevice::None && on_gpu;
+  const bool masters = std::any_of(params.begin(), params.end(), is_low_precision);
   std::vector<torch::Tensor> host;
-  if (host_step) {
+  if (host_step || masters) {
+    // The copies the optimizer steps (Note [optimizer offload], Note [master weights]): in
+    // pinned host memory when offloaded, else beside the parameters; fp32 for bf16/fp16 ones.
     torch::NoGradGuard no_grad;
     for (const auto& p : params) {
-      auto h = torch::empty(p.sizes(), p.options().device(torch::kCPU).pinned_memory(true));
+      auto options = p.options().dtype(is_low_precision(p) ? torch::kFloat32 : p.scalar_type());
+      auto h = host_step ? torch::empty(p.sizes(), options.device(torch::kCPU).pinned_memory(true))
+                         : torch::empty(p.sizes(), options);
       h.copy_(p.detach());
       h.set_requires_grad(true);
       host.push_back(h);
     }
   }
-  const std::vector<torch::Tensor>& stepped = host_step ? host : params;
+  const std::vector<torch::Tensor>& stepped = host_step || masters ? host : params;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   StateHome* home = nullptr;
   if (spec.kind == OptimizerKind::Sgd) {
@@ -252,17 +279,17 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
       return file_backed_zeros(dir, p.sizes(), p.scalar_type());
     });
   }
-  if (!host_step) return optimizer;
-  return std::make_unique<HostOffloadOptimizer>(params, std::move(host), std::move(optimizer));
+  if (!host_step && !masters) return optimizer;
+  return std::make_unique<CopyStepOptimizer>(params, std::move(host), std::move(optimizer));
 }
 
-HostOffloadOptimizer::HostOffloadOptimizer(std::vector<torch::Tensor> device_params,
+CopyStepOptimizer::CopyStepOptimizer(std::vector<torch::Tensor> device_params,
                                            std::vector<torch::Tensor> host_params,
                                            std::unique_ptr<torch::optim::Optimizer> inner)
     : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(device_params)}, inner->defaults().clone()),
       device_(std::move(device_params)), host_(std::move(host_params)), inner_(std::move(inner)) {}
 
-torch::Tensor HostOffloadOptimizer::step(LossClosure closure) {
+torch::Tensor CopyStepOptimizer::step(LossClosure closure) {
   const torch::Tensor loss = closure_loss(closure);
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < device_.size(); ++i) {
@@ -275,15 +302,15 @@ torch::Tensor HostOffloadOptimizer::step(LossClosure closure) {
     host_[i].mutable_grad().copy_(g);  // blocking: the step reads it next
   }
   inner_->step();
-  // From pinned memory, ordered before the next kernel on the stream; the host copy is not
-  // written again before the next step's blocking gradient copy.
+  // From pinned memory (or the device), ordered before the next kernel on the stream; the copy
+  // is not written again before the next step's blocking gradient copy.
   for (size_t i = 0; i < device_.size(); ++i) device_[i].copy_(host_[i], /*non_blocking=*/true);
   return loss;
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
-  if (auto* offload = dynamic_cast<HostOffloadOptimizer*>(&optimizer)) set_learning_rate(offload->inner(), lr);
+  if (auto* offload = dynamic_cast<CopyStepOptimizer*>(&optimizer)) set_learning_rate(offload->inner(), lr);
 }
 
 namespace {
@@ -296,7 +323,7 @@ void* key_of(const torch::Tensor& p) { return p.unsafeGetTensorImpl(); }
 io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                                  const std::vector<torch::Tensor>& params,
                                  const std::vector<std::string>& names) {
-  if (auto* offload = dynamic_cast<HostOffloadOptimizer*>(&optimizer)) {
+  if (auto* offload = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
     return optimizer_state(offload->inner(), kind, offload->host_parameters(), names);
   }
   io::NamedTensors out;
@@ -322,7 +349,7 @@ io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKi
 void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                           const std::vector<torch::Tensor>& params,
                           const std::vector<std::string>& names, const io::NamedTensors& state) {
-  if (auto* offload = dynamic_cast<HostOffloadOptimizer*>(&optimizer)) {
+  if (auto* offload = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
     return load_optimizer_state(offload->inner(), kind, offload->host_parameters(), names, state);
   }
   const auto* home = dynamic_cast<const StateHome*>(&optimizer);

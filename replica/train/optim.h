@@ -65,13 +65,15 @@ class FusedAdamW : public torch::optim::AdamW, public StateHome {
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
 
-// The optimizer step on the host for parameters on a GPU (offload cpu/nvme; Note [optimizer
-// offload] in optim.cpp): an inner optimizer steps pinned host copies of the parameters, and
-// each step moves the gradients to the host and the new values back. Checkpoints see the
-// inner optimizer's state under the parameters' names, in the format of every other run.
-class HostOffloadOptimizer : public torch::optim::Optimizer {
+// An optimizer that steps copies of the parameters: pinned host copies for parameters on a GPU
+// with offload cpu/nvme (Note [optimizer offload] in optim.cpp), fp32 master copies for bf16 or
+// fp16 parameters (Note [master weights]). Each step moves the gradients to the copies (cast
+// to their dtype), steps them with the inner optimizer and copies the new values back.
+// Checkpoints see the inner optimizer's state under the parameters' names, in the format of
+// every other run.
+class CopyStepOptimizer : public torch::optim::Optimizer {
  public:
-  HostOffloadOptimizer(std::vector<torch::Tensor> device_params, std::vector<torch::Tensor> host_params,
+  CopyStepOptimizer(std::vector<torch::Tensor> device_params, std::vector<torch::Tensor> host_params,
                        std::unique_ptr<torch::optim::Optimizer> inner);
   torch::Tensor step(LossClosure closure = nullptr) override;
   torch::optim::Optimizer& inner() { return *inner_; }
@@ -85,7 +87,7 @@ class HostOffloadOptimizer : public torch::optim::Optimizer {
 
 // The optimizer over `params` (trainable parameters, in the order of `names`): FusedSGD or
 // FusedAdamW; with spec.offload, its state in files (nvme) and, for parameters on a GPU, its
-// step on the host (HostOffloadOptimizer).
+// step on the host; for bf16/fp16 parameters, fp32 master copies (both CopyStepOptimizer).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params);
 

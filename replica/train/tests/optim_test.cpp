@@ -317,3 +317,44 @@ TEST(FusedSGD, MatchesTorchSgd) {
     }
   }
 }
+
+// Note [master weights]: bf16 parameters are stepped through fp32 copies, so updates far below
+// a bf16 ulp accumulate instead of rounding away, and the parameters are those copies rounded.
+TEST(MasterWeights, Bf16ParametersStepFp32CopiesAndHoldThemRounded) {
+  torch::manual_seed(7);
+  auto start = torch::randn({64}) + 4.0f;  // |w| ~ 4: a bf16 ulp there is 2^-5
+  auto p32 = start.clone().requires_grad_();
+  auto p16 = start.to(torch::kBFloat16).requires_grad_();
+  auto ref16 = start.to(torch::kBFloat16).to(torch::kFloat32).requires_grad_();  // fp32 from bf16's values
+  const OptimizerSpec spec{replica::train::OptimizerKind::AdamW, 1e-3, 0.0, 0.0};
+  auto with_masters = replica::train::make_optimizer(spec, {p16});
+  auto reference = replica::train::make_optimizer(spec, {ref16});
+  ASSERT_NE(dynamic_cast<replica::train::CopyStepOptimizer*>(with_masters.get()), nullptr);
+  EXPECT_EQ(dynamic_cast<replica::train::CopyStepOptimizer*>(reference.get()), nullptr);
+  auto plain16 = start.to(torch::kBFloat16).requires_grad_();  // what stepping bf16 in place gives
+  torch::optim::AdamW in_place({plain16}, torch::optim::AdamWOptions(1e-3).weight_decay(0.0));
+  for (int step = 0; step < 20; ++step) {
+    auto g = torch::randn({64});
+    p16.mutable_grad() = g.to(torch::kBFloat16);
+    ref16.mutable_grad() = g.to(torch::kBFloat16).to(torch::kFloat32);
+    plain16.mutable_grad() = g.to(torch::kBFloat16);
+    with_masters->step();
+    reference->step();
+    in_place.step();
+  }
+  EXPECT_EQ(p16.scalar_type(), torch::kBFloat16);
+  // The bf16 parameters are the fp32 run's weights rounded to bf16.
+  EXPECT_TRUE(torch::equal(p16, ref16.detach().to(torch::kBFloat16)));
+  // 20 steps of ~1e-3 moved the weights by ~0.02, less than one ulp: stepped in bf16 they stay put.
+  EXPECT_TRUE(torch::equal(plain16, start.to(torch::kBFloat16)));
+  EXPECT_GT((ref16.detach() - start.to(torch::kBFloat16).to(torch::kFloat32)).abs().max().item<double>(), 1e-2);
+  // The exported state is the fp32 masters', under the parameter's name.
+  const auto state = replica::train::optimizer_state(*with_masters, replica::train::OptimizerKind::AdamW, {p16}, {"w"});
+  bool found = false;
+  for (const auto& [name, tensor] : state) {
+    if (name != "w.exp_avg") continue;
+    found = true;
+    EXPECT_EQ(tensor.scalar_type(), torch::kFloat32);
+  }
+  EXPECT_TRUE(found);
+}
