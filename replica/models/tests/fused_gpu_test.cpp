@@ -4,7 +4,7 @@
 // a batch-broadcast cos, bf16 in / fp32 out), SwiGLU and cross-entropy (packed and scalar
 // paths), and a whole Llama whose logits and gradients with the fused kernels equal those
 // without (fp32, bf16 autocast, bf16 weights).
-#include "replica/core/cuda.h"
+#include "replica/testing/gpu_skip.h"
 #include "replica/models/fused_ops.h"
 #include "replica/models/llama.h"
 
@@ -17,12 +17,6 @@
 using namespace replica::models;
 
 namespace {
-
-#define REPLICA_SKIP_WITHOUT_GPU()                                                                       \
-  if (replica::visible_gpu_count() == 0) {                                                               \
-    GTEST_SKIP() << "no GPU visible to this process (CUDA_VISIBLE_DEVICES, driver): GPU tests run where " \
-                    "one is (scripts/gpu_check.sh)";                                                     \
-  }
 
 const torch::Device kCuda(torch::kCUDA, 0);
 

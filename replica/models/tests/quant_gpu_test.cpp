@@ -3,7 +3,7 @@
 // they give on the CPU (bitsandbytes' fixture included), and a LoRA model over a quantized base
 // computes on CUDA what it computes on the CPU, in fp32 and under bf16 autocast, holding its
 // quantized linears at their quantized bytes.
-#include "replica/core/cuda.h"
+#include "replica/testing/gpu_skip.h"
 #include "replica/testing/paths.h"
 #include "replica/io/safetensors.h"
 #include "replica/models/llama.h"
@@ -19,12 +19,6 @@
 using namespace replica::models;
 
 namespace {
-
-#define REPLICA_SKIP_WITHOUT_GPU()                                                                       \
-  if (replica::visible_gpu_count() == 0) {                                                               \
-    GTEST_SKIP() << "no GPU visible to this process (CUDA_VISIBLE_DEVICES, driver): GPU tests run where " \
-                    "one is (scripts/gpu_check.sh)";                                                     \
-  }
 
 const torch::Device kCuda(torch::kCUDA, 0);
 

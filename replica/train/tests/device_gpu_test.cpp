@@ -9,6 +9,7 @@
 //   - LoRA SFT of the demo Llama in bf16 on CUDA trains: the loss falls;
 //   - `replica env` names the GPU.
 #include "replica/core/cuda.h"
+#include "replica/testing/gpu_skip.h"
 #include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
@@ -26,12 +27,6 @@ using replica::testing::Result;
 using replica::testing::run_program;
 
 namespace {
-
-#define REPLICA_SKIP_WITHOUT_GPU()                                                                       \
-  if (replica::visible_gpu_count() == 0) {                                                               \
-    GTEST_SKIP() << "no GPU visible to this process (CUDA_VISIBLE_DEVICES, driver): GPU tests run where " \
-                    "one is (scripts/gpu_check.sh)";                                                     \
-  }
 
 class Gpu : public replica::testing::ScratchDirTest {
  public:
