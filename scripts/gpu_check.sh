@@ -2,14 +2,16 @@
 # The GPU check of issue 17, on a machine with an NVIDIA GPU and PyTorch (2.11, CUDA). Writes a
 # report (default $OUT/gpu-report.md, else ./gpu-report.md) with:
 #   - the GPUs, driver, CUDA and NCCL (`replica env`, nvidia-smi);
-#   - the `gpu` tests (replica_gpu_tests: DDP and ZeRO-3 at world 1 on cuda:0 over NCCL equal to
+#   - the `gpu` tests (replica_gpu_tests: the fused kernels against the ops they replace, DDP and
+#     ZeRO-3 at world 1 on cuda:0 over NCCL equal to
 #     the CPU run, ZeRO-3 with its masters offloaded to pinned host memory too, world 2 sharing
 #     the one GPU over Gloo (ddp_backend gloo) equal to world 1 at the same global batch, LoRA
 #     SFT in bf16 on CUDA training, QLoRA codes and steps on CUDA, env naming the GPU);
 #   - the LLM SFT demo in bf16 on CUDA (tokens/s from its metrics.jsonl);
-#   - a Llama-shape model of 503M parameters, bf16 full fine-tune step, replica against PyTorch
-#     eager with SDPA on the same GPU (bench/llama_step.{cpp,py}), alternating, medians, with
-#     model FLOPs utilisation;
+#   - a Llama-shape model of 503M parameters, full fine-tune step in bf16 autocast and in bf16
+#     weights with fp32 masters (8 x 1024 and 16 x 1024 tokens), replica against PyTorch eager
+#     with SDPA on the same GPU (bench/llama_step.{cpp,py}), alternating, medians, with model
+#     FLOPs utilisation, and replica once without its fused kernels (REPLICA_FUSED_KERNELS=0);
 #   - DDP step time of MLP-54M (4 x 4096, batch 256) at world 1 over NCCL, replica against PyTorch
 #     DDP on the same GPU (bench/ddp_mlp.cpp, bench/ddp_mlp_peer.py), alternating, medians;
 #   - LoRA SFT memory and tokens/s of a 349M Llama shape at batch 1 x 2048 tokens, bf16 and fp32,
