@@ -234,7 +234,12 @@ torch::Tensor StateHome::state_zeros(const torch::Tensor& param) const {
 // 1 is 1/400 of one) would round away. The optimizer steps fp32 copies of them instead, beside
 // the parameters (or in pinned host memory when offloaded), its state fp32 too: each step
 // casts the gradients up, steps the copies and rounds them back into the parameters (the same
-// CopyStepOptimizer as offload). fp32 parameters are stepped in place as before.
+// CopyStepOptimizer as offload). fp32 parameters are stepped in place as before. The exported
+// state (optimizer_state) is the fp32 masters' exp_avg / exp_avg_sq; the masters themselves are
+// not exported, so an optimizer made over loaded bf16 parameters starts its masters from their
+// bf16 values. The trainer's parameters are fp32 (bf16 runs compute under autocast, and PEFT's
+// frozen bf16 base has no optimizer state), so none of its runs take this path; the benchmark's
+// --dtype bf16-weights and the C++ API's bf16 models do.
 namespace {
 bool is_low_precision(const torch::Tensor& p) {
   return p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kHalf;
