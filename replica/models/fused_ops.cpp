@@ -142,88 +142,82 @@ struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
   }
 };
 
-torch::Tensor swiglu_launch(const torch::Tensor& g, const torch::Tensor& u) {
+// One SwiGLU kernel: forward (dy undefined) gives {silu(g) * u}; backward gives {dg, du}.
+variable_list swiglu_kernel(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& dy) {
   c10::cuda::CUDAGuard guard(g.device());
-  auto out = torch::empty_like(g, torch::MemoryFormat::Contiguous);
+  const bool backward = dy.defined();
   ck::SwigluArgs a{};
   a.g = g.data_ptr();
   a.u = u.data_ptr();
-  a.out_or_dy = out.data_ptr();
   a.dtype = kernel_dtype(g.scalar_type(), "SwiGLU");
   a.n = g.numel();
-  a.backward = false;
+  a.backward = backward;
   a.stream = current_stream(g);
-  check(ck::swiglu(a), "SwiGLU");
+  variable_list out;
+  if (backward) {
+    out = {torch::empty_like(g, torch::MemoryFormat::Contiguous), torch::empty_like(u, torch::MemoryFormat::Contiguous)};
+    a.out_or_dy = dy.data_ptr();
+    a.dg = out[0].data_ptr();
+    a.du = out[1].data_ptr();
+  } else {
+    out = {torch::empty_like(g, torch::MemoryFormat::Contiguous)};
+    a.out_or_dy = out[0].data_ptr();
+  }
+  check(ck::swiglu(a), backward ? "SwiGLU backward" : "SwiGLU");
   return out;
 }
 
 struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& g, const torch::Tensor& u) {
     ctx->save_for_backward({g, u});
-    return swiglu_launch(g, u);
+    return swiglu_kernel(g, u, torch::Tensor())[0];
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& g = saved[0];
-    const auto& u = saved[1];
-    auto dy = grads[0].to(g.scalar_type()).contiguous();
-    c10::cuda::CUDAGuard guard(g.device());
-    auto dg = torch::empty_like(g, torch::MemoryFormat::Contiguous);
-    auto du = torch::empty_like(u, torch::MemoryFormat::Contiguous);
-    ck::SwigluArgs a{};
-    a.g = g.data_ptr();
-    a.u = u.data_ptr();
-    a.out_or_dy = dy.data_ptr();
-    a.dg = dg.data_ptr();
-    a.du = du.data_ptr();
-    a.dtype = kernel_dtype(g.scalar_type(), "SwiGLU");
-    a.n = g.numel();
-    a.backward = true;
-    a.stream = current_stream(g);
-    check(ck::swiglu(a), "SwiGLU backward");
-    return {dg, du};
+    return swiglu_kernel(saved[0], saved[1], grads[0].to(saved[0].scalar_type()).contiguous());
   }
 };
 
+// One cross-entropy kernel over logits [N, V]: forward (grad undefined) fills loss [N] and lse
+// [N]; backward reads lse and the sum's gradient and returns dlogits.
+torch::Tensor cross_entropy_kernel(const torch::Tensor& logits, const torch::Tensor& targets, const torch::Tensor& lse,
+                                   const torch::Tensor& loss, const torch::Tensor& grad) {
+  c10::cuda::CUDAGuard guard(logits.device());
+  const bool backward = grad.defined();
+  ck::CrossEntropyArgs a{};
+  a.logits = logits.data_ptr();
+  a.dtype = kernel_dtype(logits.scalar_type(), "cross-entropy");
+  a.targets = targets.data_ptr<int64_t>();
+  a.lse = lse.data_ptr<float>();
+  a.rows = logits.size(0);
+  a.V = logits.size(1);
+  a.backward = backward;
+  a.stream = current_stream(logits);
+  torch::Tensor dlogits;
+  if (backward) {
+    dlogits = torch::empty_like(logits, torch::MemoryFormat::Contiguous);
+    a.grad = grad.data_ptr<float>();
+    a.dlogits = dlogits.data_ptr();
+  } else {
+    a.loss = loss.data_ptr<float>();
+  }
+  check(ck::cross_entropy(a), backward ? "cross-entropy backward" : "cross-entropy");
+  return dlogits;
+}
+
 struct CrossEntropySumFunction : torch::autograd::Function<CrossEntropySumFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets) {
-    c10::cuda::CUDAGuard guard(logits.device());
-    const int64_t rows = logits.size(0);
-    auto loss = torch::empty({rows}, logits.options().dtype(torch::kFloat32));
-    auto lse = torch::empty({rows}, logits.options().dtype(torch::kFloat32));
-    ck::CrossEntropyArgs a{};
-    a.logits = logits.data_ptr();
-    a.dtype = kernel_dtype(logits.scalar_type(), "cross-entropy");
-    a.targets = targets.data_ptr<int64_t>();
-    a.loss = loss.data_ptr<float>();
-    a.lse = lse.data_ptr<float>();
-    a.rows = rows;
-    a.V = logits.size(1);
-    a.backward = false;
-    a.stream = current_stream(logits);
-    check(ck::cross_entropy(a), "cross-entropy");
+    const auto fp32 = logits.options().dtype(torch::kFloat32);
+    auto loss = torch::empty({logits.size(0)}, fp32);
+    auto lse = torch::empty({logits.size(0)}, fp32);
+    cross_entropy_kernel(logits, targets, lse, loss, torch::Tensor());
     ctx->save_for_backward({logits, targets, lse});
     return loss.sum();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& logits = saved[0];
-    c10::cuda::CUDAGuard guard(logits.device());
     auto grad = grads[0].to(torch::kFloat32).contiguous();
-    auto dlogits = torch::empty_like(logits, torch::MemoryFormat::Contiguous);
-    ck::CrossEntropyArgs a{};
-    a.logits = logits.data_ptr();
-    a.dtype = kernel_dtype(logits.scalar_type(), "cross-entropy");
-    a.targets = saved[1].data_ptr<int64_t>();
-    a.lse = saved[2].data_ptr<float>();
-    a.grad = grad.data_ptr<float>();
-    a.dlogits = dlogits.data_ptr();
-    a.rows = logits.size(0);
-    a.V = logits.size(1);
-    a.backward = true;
-    a.stream = current_stream(logits);
-    check(ck::cross_entropy(a), "cross-entropy backward");
-    return {dlogits, torch::Tensor()};
+    return {cross_entropy_kernel(saved[0], saved[1], saved[2], torch::Tensor(), grad), torch::Tensor()};
   }
 };
 

@@ -936,12 +936,12 @@ TokenLoss causal_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& l
   }
   const int64_t V = logits.size(2);
   auto flat_targets = causal_lm_targets(labels, segment_ids).view({-1});
-  if (fused_kernels_for(logits)) {  // one kernel each way on a GPU (Note [fused kernels])
-    return {fused_cross_entropy_sum(logits.reshape({-1, V}), flat_targets), (flat_targets != -100).sum()};
-  }
-  auto sum = torch::nn::functional::cross_entropy(
-      logits.to(torch::kFloat32).reshape({-1, V}), flat_targets,
-      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+  // On a GPU one kernel each way, from the logits' own dtype (Note [fused kernels]).
+  auto sum = fused_kernels_for(logits)
+                 ? fused_cross_entropy_sum(logits.reshape({-1, V}), flat_targets)
+                 : torch::nn::functional::cross_entropy(
+                       logits.to(torch::kFloat32).reshape({-1, V}), flat_targets,
+                       torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
   return {sum, (flat_targets != -100).sum()};
 }
 
