@@ -1,10 +1,11 @@
 # PyTorch eager side of bench/llama_step.cpp: the same ~20M Llama (the plain-torch reference
 # implementation the model tests compare against), batch x 256 tokens, AdamW, one thread.
 # usage: .venv/bin/python bench/llama_step.py [--batch 4 --seq 256 --steps 10 --warmup 2] [--compile]
-#        [--attn eager|sdpa] [--device cpu|cuda] [--dtype fp32|bf16] [--preset small|500m] [--peak-tflops T]
+#        [--attn eager|sdpa] [--device cpu|cuda] [--dtype fp32|bf16|bf16-weights] [--preset small|500m] [--peak-tflops T]
 # --dtype bf16: forward and loss under torch.autocast(bf16), fp32 weights and AdamW state (the
 # trainer's mixed_precision: bf16). --dtype bf16-weights: the model in bf16 (no autocast), AdamW
-# stepping fp32 master copies that are copied back after each step (replica's side does the same). --peak-tflops prints MFU = 6 x parameters x tokens/s / peak.
+# stepping fp32 master copies that are copied back after each step (replica's side does the
+# same). --peak-tflops prints MFU = 6 x parameters x tokens/s / peak.
 # --compile times torch.compile(model) (Inductor, CPU) instead of eager; the warm-up steps
 # include the compilation. --attn sdpa runs attention through F.scaled_dot_product_attention
 # (transformers' default attn_implementation, and what replica runs) instead of the reference's

@@ -251,21 +251,21 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
   const bool on_gpu = std::any_of(params.begin(), params.end(), [](const torch::Tensor& p) { return !p.device().is_cpu(); });
   const bool host_step = spec.offload != OffloadDevice::None && on_gpu;
   const bool masters = std::any_of(params.begin(), params.end(), is_low_precision);
-  std::vector<torch::Tensor> host;
+  std::vector<torch::Tensor> copies;
   if (host_step || masters) {
     // The copies the optimizer steps (Note [optimizer offload], Note [master weights]): in
     // pinned host memory when offloaded, else beside the parameters; fp32 for bf16/fp16 ones.
     torch::NoGradGuard no_grad;
     for (const auto& p : params) {
       auto options = p.options().dtype(is_low_precision(p) ? torch::kFloat32 : p.scalar_type());
-      auto h = host_step ? torch::empty(p.sizes(), options.device(torch::kCPU).pinned_memory(true))
+      auto c = host_step ? torch::empty(p.sizes(), options.device(torch::kCPU).pinned_memory(true))
                          : torch::empty(p.sizes(), options);
-      h.copy_(p.detach());
-      h.set_requires_grad(true);
-      host.push_back(h);
+      c.copy_(p.detach());
+      c.set_requires_grad(true);
+      copies.push_back(c);
     }
   }
-  const std::vector<torch::Tensor>& stepped = host_step || masters ? host : params;
+  const std::vector<torch::Tensor>& stepped = host_step || masters ? copies : params;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   StateHome* home = nullptr;
   if (spec.kind == OptimizerKind::Sgd) {
@@ -285,37 +285,36 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
     });
   }
   if (!host_step && !masters) return optimizer;
-  return std::make_unique<CopyStepOptimizer>(params, std::move(host), std::move(optimizer));
+  return std::make_unique<CopyStepOptimizer>(params, std::move(copies), std::move(optimizer));
 }
 
-CopyStepOptimizer::CopyStepOptimizer(std::vector<torch::Tensor> device_params,
-                                           std::vector<torch::Tensor> host_params,
-                                           std::unique_ptr<torch::optim::Optimizer> inner)
-    : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(device_params)}, inner->defaults().clone()),
-      device_(std::move(device_params)), host_(std::move(host_params)), inner_(std::move(inner)) {}
+CopyStepOptimizer::CopyStepOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> copies,
+                                     std::unique_ptr<torch::optim::Optimizer> inner)
+    : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(params)}, inner->defaults().clone()),
+      params_(std::move(params)), copies_(std::move(copies)), inner_(std::move(inner)) {}
 
 torch::Tensor CopyStepOptimizer::step(LossClosure closure) {
   const torch::Tensor loss = closure_loss(closure);
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < device_.size(); ++i) {
-    const torch::Tensor& g = device_[i].grad();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const torch::Tensor& g = params_[i].grad();
     if (!g.defined()) {
-      host_[i].mutable_grad() = torch::Tensor();
+      copies_[i].mutable_grad() = torch::Tensor();
       continue;
     }
-    if (!host_[i].grad().defined()) host_[i].mutable_grad() = torch::empty_like(host_[i]);
-    host_[i].mutable_grad().copy_(g);  // blocking: the step reads it next
+    if (!copies_[i].grad().defined()) copies_[i].mutable_grad() = torch::empty_like(copies_[i]);
+    copies_[i].mutable_grad().copy_(g);  // the step reads it next (to the host: a blocking copy)
   }
   inner_->step();
   // From pinned memory (or the device), ordered before the next kernel on the stream; the copy
   // is not written again before the next step's blocking gradient copy.
-  for (size_t i = 0; i < device_.size(); ++i) device_[i].copy_(host_[i], /*non_blocking=*/true);
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(copies_[i], /*non_blocking=*/true);
   return loss;
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
-  if (auto* offload = dynamic_cast<CopyStepOptimizer*>(&optimizer)) set_learning_rate(offload->inner(), lr);
+  if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) set_learning_rate(copying->inner(), lr);
 }
 
 namespace {
@@ -328,8 +327,8 @@ void* key_of(const torch::Tensor& p) { return p.unsafeGetTensorImpl(); }
 io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                                  const std::vector<torch::Tensor>& params,
                                  const std::vector<std::string>& names) {
-  if (auto* offload = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
-    return optimizer_state(offload->inner(), kind, offload->host_parameters(), names);
+  if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
+    return optimizer_state(copying->inner(), kind, copying->copies(), names);
   }
   io::NamedTensors out;
   auto& state = optimizer.state();
@@ -354,8 +353,8 @@ io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKi
 void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                           const std::vector<torch::Tensor>& params,
                           const std::vector<std::string>& names, const io::NamedTensors& state) {
-  if (auto* offload = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
-    return load_optimizer_state(offload->inner(), kind, offload->host_parameters(), names, state);
+  if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
+    return load_optimizer_state(copying->inner(), kind, copying->copies(), names, state);
   }
   const auto* home = dynamic_cast<const StateHome*>(&optimizer);
   std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());

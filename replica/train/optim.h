@@ -73,15 +73,15 @@ class FusedAdamW : public torch::optim::AdamW, public StateHome {
 // every other run.
 class CopyStepOptimizer : public torch::optim::Optimizer {
  public:
-  CopyStepOptimizer(std::vector<torch::Tensor> device_params, std::vector<torch::Tensor> host_params,
-                       std::unique_ptr<torch::optim::Optimizer> inner);
+  CopyStepOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> copies,
+                    std::unique_ptr<torch::optim::Optimizer> inner);
   torch::Tensor step(LossClosure closure = nullptr) override;
   torch::optim::Optimizer& inner() { return *inner_; }
-  const std::vector<torch::Tensor>& host_parameters() const { return host_; }
+  const std::vector<torch::Tensor>& copies() const { return copies_; }
 
  private:
-  std::vector<torch::Tensor> device_;
-  std::vector<torch::Tensor> host_;
+  std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> copies_;  // what inner_ steps, one per parameter
   std::unique_ptr<torch::optim::Optimizer> inner_;
 };
 
