@@ -2,6 +2,7 @@
 
 #include "replica/core/cpu_gemm.h"
 #include "replica/core/error.h"
+#include "replica/models/fused_ops.h"
 #include "replica/models/linear.h"
 
 #include <torch/torch.h>
@@ -33,6 +34,12 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       const int64_t len = std::min(chunk, n - start);
       auto logits = chunk_logits(hidden.narrow(0, start, len), weight, bias);
       auto t = targets.narrow(0, start, len);
+      if (fused_kernels_for(logits)) {  // one pass per row (Note [fused kernels])
+        auto rows = fused_cross_entropy_rows(logits, t);
+        lse.narrow(0, start, len).copy_(rows.lse);
+        total += rows.loss.sum();
+        continue;
+      }
       auto valid = t != -100;
       auto chunk_lse = torch::logsumexp(logits, -1);
       lse.narrow(0, start, len).copy_(chunk_lse);
@@ -66,10 +73,16 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
       auto h = hidden.narrow(0, start, len);
       auto t = targets.narrow(0, start, len);
       // d(lse - picked)/dlogits = softmax - one_hot(target), zero for ignored tokens.
-      auto d = (chunk_logits(h, weight, bias) - lse.narrow(0, start, len).unsqueeze(1)).exp_();
-      auto valid = (t != -100);
-      d.scatter_add_(1, t.clamp_min(0).unsqueeze(1), -valid.to(torch::kFloat32).unsqueeze(1));
-      d.mul_((valid.to(torch::kFloat32) * grad).unsqueeze(1));
+      auto logits = chunk_logits(h, weight, bias);
+      torch::Tensor d;
+      if (fused_kernels_for(logits)) {
+        d = fused_cross_entropy_rows_backward(logits, t, lse.narrow(0, start, len), grad);
+      } else {
+        d = (logits - lse.narrow(0, start, len).unsqueeze(1)).exp_();
+        auto valid = (t != -100);
+        d.scatter_add_(1, t.clamp_min(0).unsqueeze(1), -valid.to(torch::kFloat32).unsqueeze(1));
+        d.mul_((valid.to(torch::kFloat32) * grad).unsqueeze(1));
+      }
       if (openblas) {
         // Straight into grad_h's rows and accumulated into grad_w (beta 1): no temporaries.
         const int64_t vocab = weight.size(0), dim = weight.size(1);

@@ -448,7 +448,7 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps, torch::ScalarType dtype, NormS
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  // On a GPU, one fused kernel where the family multiplies by the weight (Note [fused kernels]).
+  // One fused kernel where the family multiplies by the weight (Note [fused kernels]).
   if (style_ != NormStyle::kOnePlusWeight && x.scalar_type() == weight.scalar_type() && fused_kernels_for(x)) {
     return fused_rms_norm(x, weight, eps_);
   }
@@ -595,7 +595,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   // [B, heads, T, D], then rotate q and k by their positions. Olmo's apply_rotary_pos_emb
   // rotates in fp32 (its cos/sin stay fp32) and casts back to q's and k's dtype.
   if (fused_kernels_for(q)) {
-    // One kernel per tensor on a GPU, before the transpose (Note [fused kernels]): written in
+    // One kernel per tensor, before the transpose (Note [fused kernels]): written in
     // the dtype attention reads, the autocast dtype under autocast (GPT-OSS's eager sink path
     // aside), else what HF's q * cos gives.
     const auto device = q.device().type();
@@ -649,7 +649,7 @@ torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& x) {
   // or Gemma's GELU (tanh approximation, ACT2FN["gelu_pytorch_tanh"]).
   auto gate = gate_proj(x);
   if (activation_ == Activation::kSilu && fused_kernels_for(gate)) {
-    return down_proj(fused_swiglu(gate, up_proj(x)));  // one kernel on a GPU (Note [fused kernels])
+    return down_proj(fused_swiglu(gate, up_proj(x)));  // one kernel (Note [fused kernels])
   }
   gate = activation_ == Activation::kSilu ? torch::silu(gate) : torch::gelu(gate, "tanh");
   return down_proj(gate * up_proj(x));
@@ -936,7 +936,7 @@ TokenLoss causal_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& l
   }
   const int64_t V = logits.size(2);
   auto flat_targets = causal_lm_targets(labels, segment_ids).view({-1});
-  // On a GPU one kernel each way, from the logits' own dtype (Note [fused kernels]).
+  // One kernel each way, from the logits' own dtype (Note [fused kernels]).
   auto sum = fused_kernels_for(logits)
                  ? fused_cross_entropy_sum(logits.reshape({-1, V}), flat_targets)
                  : torch::nn::functional::cross_entropy(
