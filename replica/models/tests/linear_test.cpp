@@ -4,12 +4,14 @@
 #include "replica/core/cpu_gemm.h"
 #include "replica/testing/paths.h"
 #include "replica/models/linear.h"
+#include "replica/models/llama.h"
 #include "replica/testing/program_runner.h"
 
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 
@@ -135,9 +137,76 @@ TEST(ModelsLinear, StaysWithTorchLinearWhereOpenblasDoesNotApply) {
     EXPECT_FALSE(linear_uses_openblas(x, w));
     at::autocast::set_autocast_enabled(at::kCPU, false);
   }
-  // And those cases give torch::linear's values exactly.
+  // And those cases give torch::linear's values exactly (bf16 where it is not taken through fp32).
+  const bool was = set_cpu_bf16_through_fp32(false);
   auto xb = x.to(torch::kBFloat16), wb = w.to(torch::kBFloat16);
   EXPECT_TRUE(torch::equal(replica::models::linear(xb, wb), torch::linear(xb, wb)));
+  set_cpu_bf16_through_fp32(was);
+}
+
+namespace {
+
+struct Bf16ThroughFp32 {
+  bool was = set_cpu_bf16_through_fp32(true);
+  ~Bf16ThroughFp32() { set_cpu_bf16_through_fp32(was); }
+};
+
+// Within a bf16 rounding of the reference, element by element (plus a floor for values near 0).
+void expect_bf16_close(const torch::Tensor& got, const torch::Tensor& want, double ulps, const char* what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  auto g = got.to(torch::kFloat64), w = want.to(torch::kFloat64);
+  auto bound = w.abs() * (ulps * std::ldexp(1.0, -8)) + 1e-3 * std::max(1e-30, w.abs().max().item<double>());
+  EXPECT_TRUE(((g - w).abs() <= bound).all().item<bool>()) << what << ": max abs diff " << (g - w).abs().max().item<double>();
+}
+
+}  // namespace
+
+TEST(ModelsLinear, Bf16ThroughFp32IsTheFp32ProductRoundedOnce) {
+  Bf16ThroughFp32 on;
+  torch::manual_seed(5);
+  // K = 32768: the weight is widened 64 columns (8 MiB of fp32) at a time, 200 = 3 x 64 + 8.
+  auto a = torch::randn({5, 32768}).to(torch::kBFloat16), b = torch::randn({32768, 200}).to(torch::kBFloat16);
+  auto bias = torch::randn({200}).to(torch::kBFloat16);
+  auto got = cpu_bf16_matmul(a, b, bias);
+  ASSERT_EQ(got.scalar_type(), torch::kBFloat16);
+  auto want = (torch::mm(a.to(torch::kFloat32), b.to(torch::kFloat32)) + bias.to(torch::kFloat32)).to(torch::kBFloat16);
+  expect_bf16_close(got, want, 1, "a b + bias");
+  // A transposed view as either operand.
+  expect_bf16_close(cpu_bf16_matmul(b.t().narrow(0, 0, 7), a.t()),
+                    torch::mm(b.t().narrow(0, 0, 7).to(torch::kFloat32), a.t().to(torch::kFloat32)).to(torch::kBFloat16), 1,
+                    "transposed views");
+}
+
+TEST(ModelsLinear, Bf16UnderAutocastThroughFp32EqualsTorchLinearsBf16) {
+  Bf16ThroughFp32 on;
+  torch::manual_seed(6);
+  auto x = torch::randn({4, 6, 48}, torch::requires_grad());
+  auto w = torch::randn({40, 48}, torch::requires_grad());
+  auto bias = torch::randn({40}, torch::requires_grad());
+  auto x2 = x.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_(),
+       b2 = bias.detach().clone().requires_grad_();
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  auto got = replica::models::linear(x, w, bias);
+  auto want = torch::linear(x2, w2, b2);  // LibTorch's own bf16 GEMM
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();
+  ASSERT_EQ(got.scalar_type(), torch::kBFloat16);
+  expect_bf16_close(got, want, 2, "forward");
+  auto dy = torch::randn(got.sizes()).to(torch::kBFloat16);
+  got.backward(dy);
+  want.backward(dy);
+  ASSERT_EQ(w.grad().scalar_type(), torch::kFloat32);  // through the cast, as autocast's
+  expect_bf16_close(x.grad(), x2.grad(), 2, "input gradient");
+  expect_bf16_close(w.grad(), w2.grad(), 2, "weight gradient");
+  expect_bf16_close(bias.grad(), b2.grad(), 2, "bias gradient");
+  // bf16 tensors without autocast take it too; a frozen weight gets no gradient.
+  auto xb = x.detach().to(torch::kBFloat16).requires_grad_(), wb = w.detach().to(torch::kBFloat16);
+  auto yb = replica::models::linear(xb, wb);
+  expect_bf16_close(yb, torch::linear(xb.detach(), wb), 2, "bf16 tensors");
+  yb.sum().backward();
+  EXPECT_TRUE(xb.grad().defined());
+  EXPECT_FALSE(wb.grad().defined());
 }
 
 TEST(ModelsLinear, TwoThreadsEqualOneWithinRounding) {
@@ -172,4 +241,37 @@ TEST(CpuGemm, ReplicaEnvNamesTheChoiceAndRefusesBadSettings) {
   EXPECT_NE(missing.all().find("REPLICA_CPU_GEMM=openblas: cannot load cblas_sgemm from /nonexistent/libopenblas.so.0"),
             std::string::npos)
       << missing.all();
+}
+
+TEST(ModelsLinear, ALlamaUnderBf16AutocastComputesThroughFp32WhatLibTorchsBf16Computes) {
+  // The model's linears and its attention (models/llama.cpp) take the fp32 GEMM; logits and
+  // gradients stay within bf16 rounding of LibTorch's own bf16 kernels.
+  torch::manual_seed(7);
+  replica::models::LlamaForCausalLM model(replica::models::parse_llama_config(R"({
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false, "hidden_act": "silu"})",
+                                                                              "tiny llama"));
+  auto ids = torch::randint(0, 128, {2, 24});
+  auto pass = [&](bool through_fp32) {
+    const bool was = set_cpu_bf16_through_fp32(through_fp32);
+    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    auto logits = model->forward(ids);
+    auto loss = replica::models::causal_lm_loss(logits, ids);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    loss.backward();
+    set_cpu_bf16_through_fp32(was);
+    std::vector<torch::Tensor> out{logits.detach().to(torch::kFloat32)};
+    for (auto& p : model->parameters()) out.push_back(p.grad().clone());
+    return out;
+  };
+  const auto fp32 = pass(true), aten = pass(false);
+  ASSERT_EQ(fp32.size(), aten.size());
+  for (size_t i = 0; i < fp32.size(); ++i) {
+    const double scale = std::max(1e-30, aten[i].abs().max().item<double>());
+    EXPECT_LT((fp32[i] - aten[i]).abs().max().item<double>() / scale, i == 0 ? 3e-2 : 6e-2) << (i == 0 ? "logits" : "gradient ") << i;
+  }
 }
