@@ -21,6 +21,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// A linear layer's output shape: x's with the last size n.
+std::vector<int64_t> output_sizes(const torch::Tensor& x, int64_t n) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return sizes;
+}
+
 // y[M, N] = x[M, K] W[N, K]^T (+ b), dx = dy W, dW = dy^T x, db = sum of dy's rows.
 struct OpenblasLinear : public torch::autograd::Function<OpenblasLinear> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
@@ -34,9 +41,7 @@ struct OpenblasLinear : public torch::autograd::Function<OpenblasLinear> {
               y.data_ptr<float>(), n);
     ctx->save_for_backward({x2, weight});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
-    auto out_sizes = x.sizes().vec();
-    out_sizes.back() = n;
-    return y.view(out_sizes);
+    return y.view(output_sizes(x, n));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -70,7 +75,11 @@ struct OpenblasLinear : public torch::autograd::Function<OpenblasLinear> {
 // values widened to fp32 (exact), the products summed in fp32, the result rounded to bf16 once:
 // what a bf16 GEMM with fp32 accumulation computes, up to the order of the sums. The weight is
 // widened a block of 8 MiB of fp32 at a time; the other operand whole (an fp32 copy of the
-// activation, twice its bf16 bytes, for the length of the call).
+// activation, twice its bf16 bytes, for the length of the call). LibTorch's bf16 GEMM also sums
+// in fp32 and rounds once: the transformers referees' bf16 logits are equal on both paths.
+// Attention is not taken through fp32: ATen's bf16 attention rounds its probabilities to bf16
+// before the product with v, and an fp32 attention moved the logits two bf16 ulps away from
+// transformers' bf16 ones.
 
 std::atomic<int>& bf16_switch() {  // -1: not decided yet
   static std::atomic<int> on{-1};
@@ -100,9 +109,7 @@ struct Bf16Linear : public torch::autograd::Function<Bf16Linear> {
     auto y = cpu_bf16_matmul(x2, weight.t(), bias.numel() > 0 ? bias : torch::Tensor());
     ctx->save_for_backward({x2, weight});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
-    auto out_sizes = x.sizes().vec();
-    out_sizes.back() = n;
-    return y.view(out_sizes);
+    return y.view(output_sizes(x, n));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {

@@ -15,7 +15,6 @@
 #include "replica/models/rope_yarn.h"
 
 #include <ATen/autocast_mode.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -632,23 +631,8 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     return o_proj(out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_}));
   }
   const bool causal = !allowed.defined();
-  auto attend = [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-    return at::scaled_dot_product_attention(q, k, v, causal ? std::optional<at::Tensor>() : allowed, dropout, causal,
-                                            scaling_, /*enable_gqa=*/num_heads_ != num_kv_heads_);
-  };
-  torch::Tensor out;
-  const bool bf16 = q.scalar_type() == torch::kBFloat16 ||
-                    (at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16);
-  if (q.is_cpu() && bf16 && cpu_bf16_through_fp32()) {
-    // ATen's CPU attention kernel multiplies bf16 with the slow generic GEMM where the CPU has
-    // no bf16 arithmetic (Note [bf16 GEMMs through fp32 on CPUs without bf16 arithmetic] in
-    // linear.cpp): in fp32 there, the result rounded to bf16 as the bf16 kernel's is.
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-    const auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat32); };
-    out = attend(f32(q), f32(k), f32(v)).to(torch::kBFloat16);
-  } else {
-    out = attend(q, k, v);
-  }
+  auto out = at::scaled_dot_product_attention(q, k, v, causal ? std::optional<at::Tensor>() : allowed, dropout,
+                                              causal, scaling_, /*enable_gqa=*/num_heads_ != num_kv_heads_);
   out = out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_});
   return o_proj(out);
 }

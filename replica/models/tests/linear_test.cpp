@@ -244,8 +244,8 @@ TEST(CpuGemm, ReplicaEnvNamesTheChoiceAndRefusesBadSettings) {
 }
 
 TEST(ModelsLinear, ALlamaUnderBf16AutocastComputesThroughFp32WhatLibTorchsBf16Computes) {
-  // The model's linears and its attention (models/llama.cpp) take the fp32 GEMM; logits and
-  // gradients stay within bf16 rounding of LibTorch's own bf16 kernels.
+  // The model's linears take the fp32 GEMM; logits and gradients stay within bf16 rounding of
+  // LibTorch's own bf16 kernels.
   torch::manual_seed(7);
   replica::models::LlamaForCausalLM model(replica::models::parse_llama_config(R"({
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
