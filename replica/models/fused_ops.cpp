@@ -372,14 +372,19 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
   }
 };
 
+// Per-row loss and lse of contiguous logits [N, V] against int64 targets [N].
+RowCrossEntropy cross_entropy_rows(const torch::Tensor& logits, const torch::Tensor& targets) {
+  const auto fp32 = logits.options().dtype(torch::kFloat32);
+  RowCrossEntropy rows{torch::empty({logits.size(0)}, fp32), torch::empty({logits.size(0)}, fp32)};
+  cross_entropy_kernel(logits, targets, rows.lse, rows.loss, torch::Tensor());
+  return rows;
+}
+
 struct CrossEntropySumFunction : torch::autograd::Function<CrossEntropySumFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets) {
-    const auto fp32 = logits.options().dtype(torch::kFloat32);
-    auto loss = torch::empty({logits.size(0)}, fp32);
-    auto lse = torch::empty({logits.size(0)}, fp32);
-    cross_entropy_kernel(logits, targets, lse, loss, torch::Tensor());
-    ctx->save_for_backward({logits, targets, lse});
-    return loss.sum();
+    auto rows = cross_entropy_rows(logits, targets);
+    ctx->save_for_backward({logits, targets, rows.lse});
+    return rows.loss.sum();
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -388,15 +393,13 @@ struct CrossEntropySumFunction : torch::autograd::Function<CrossEntropySumFuncti
   }
 };
 
-}  // namespace
-
-namespace {
 void check_cross_entropy_shapes(const torch::Tensor& logits, const torch::Tensor& targets) {
   if (logits.dim() != 2 || targets.dim() != 1 || targets.size(0) != logits.size(0)) {
     fail("cross-entropy: logits {} and targets {} (want [N, V] and [N])", c10::str(logits.sizes()),
          c10::str(targets.sizes()));
   }
 }
+
 }  // namespace
 
 torch::Tensor fused_cross_entropy_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
@@ -406,10 +409,7 @@ torch::Tensor fused_cross_entropy_sum(const torch::Tensor& logits, const torch::
 
 RowCrossEntropy fused_cross_entropy_rows(const torch::Tensor& logits, const torch::Tensor& targets) {
   check_cross_entropy_shapes(logits, targets);
-  const auto fp32 = logits.options().dtype(torch::kFloat32);
-  RowCrossEntropy rows{torch::empty({logits.size(0)}, fp32), torch::empty({logits.size(0)}, fp32)};
-  cross_entropy_kernel(logits.contiguous(), targets.to(torch::kInt64).contiguous(), rows.lse, rows.loss, torch::Tensor());
-  return rows;
+  return cross_entropy_rows(logits.contiguous(), targets.to(torch::kInt64).contiguous());
 }
 
 torch::Tensor fused_cross_entropy_rows_backward(const torch::Tensor& logits, const torch::Tensor& targets,

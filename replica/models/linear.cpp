@@ -13,7 +13,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdlib>
-#include <cstring>
+#include <string>
 
 namespace replica::models {
 namespace {

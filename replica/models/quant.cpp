@@ -216,8 +216,6 @@ QuantizedTensor saved_quantized(AutogradContext* ctx) {
   return q;
 }
 
-// y = x W^T with W dequantized here and again in backward: only the codes are saved (the
-// layer's resident bytes), never the full-precision weight. x arrives in the compute dtype.
 // x [..., K] times w [K, N]; bf16 on a CPU without bf16 arithmetic through the fp32 GEMM
 // (models/linear.h, Note [bf16 GEMMs through fp32 on CPUs without bf16 arithmetic]).
 torch::Tensor base_matmul(const torch::Tensor& x, const torch::Tensor& w) {
@@ -230,6 +228,8 @@ torch::Tensor base_matmul(const torch::Tensor& x, const torch::Tensor& w) {
   return at::matmul(x, w);
 }
 
+// y = x W^T with W dequantized here and again in backward: only the codes are saved (the
+// layer's resident bytes), never the full-precision weight. x arrives in the compute dtype.
 struct QuantizedMatmul : public torch::autograd::Function<QuantizedMatmul> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const QuantizedTensor& q) {
     save_quantized(ctx, q);
