@@ -14,6 +14,7 @@
 #include "replica/models/recompute.h"
 #include "replica/models/rope_yarn.h"
 
+#include <ATen/SDPBackend.h>
 #include <ATen/autocast_mode.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -559,6 +560,31 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, torch::ScalarType d
   }
 }
 
+namespace {
+
+// Note [grouped-query attention and the math kernel]
+// enable_gqa lets a kernel read each key/value head for its num_heads / num_kv_heads query
+// heads without copies, but only some kernels take it: on CPU ATen's flash kernel does in every
+// dtype, with or without a mask; on CUDA FlashAttention-2 does (fp16/bf16, no mask), while the
+// memory-efficient and cuDNN kernels refuse mismatched head counts. Where none takes it (fp32
+// on CUDA; any mask on CUDA, packed sequences and sliding windows) ATen falls back, silently, to
+// the math path, which materialises the [B, heads, T, T] scores, their softmax and both
+// gradients: on a 349M Llama shape at T = 2048 in fp32 that is 256 MiB per tensor and set the
+// CUDA peak of a LoRA step (bench/memory_llm: 2,847 MiB, the same as transformers', whose
+// sdpa path passes enable_gqa whenever there is no mask). So ATen is asked which kernel it
+// would pick (its own dispatch, _fused_sdp_choice, so no kernel rule is restated here); if it is
+// the math path, the key/value heads are repeated (2 x B x heads x T x D, 16 MiB there) and the
+// call goes to a fused kernel that reads them as ordinary heads. Where math is all there is
+// (ATen's fused kernels turned off, unusual head sizes) nothing changes but the copy.
+bool grouped_kv_takes_the_math_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      const std::optional<at::Tensor>& mask, double dropout, bool causal,
+                                      double scale) {
+  const auto math = static_cast<int64_t>(at::SDPBackend::math);
+  return at::_fused_sdp_choice(q, k, v, mask, dropout, causal, scale, /*enable_gqa=*/true) == math;
+}
+
+}  // namespace
+
 // Note [attention kernel]
 // Attention is at::scaled_dot_product_attention, transformers' default attention
 // (attn_implementation="sdpa"), not the matmul / softmax / matmul of its eager path. ATen
@@ -631,8 +657,17 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     return o_proj(out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_}));
   }
   const bool causal = !allowed.defined();
-  auto out = at::scaled_dot_product_attention(q, k, v, causal ? std::optional<at::Tensor>() : allowed, dropout,
-                                              causal, scaling_, /*enable_gqa=*/num_heads_ != num_kv_heads_);
+  const auto mask = causal ? std::optional<at::Tensor>() : std::optional<at::Tensor>(allowed);
+  bool gqa = num_heads_ != num_kv_heads_;
+  if (gqa && grouped_kv_takes_the_math_kernel(q, k, v, mask, dropout, causal, scaling_)) {
+    // Note [grouped-query attention and the math kernel]: the key/value heads repeated, as
+    // HF's repeat_kv, so that a fused kernel takes the call.
+    const int64_t groups = num_heads_ / num_kv_heads_;
+    k = k.repeat_interleave(groups, /*dim=*/1);
+    v = v.repeat_interleave(groups, /*dim=*/1);
+    gqa = false;
+  }
+  auto out = at::scaled_dot_product_attention(q, k, v, mask, dropout, causal, scaling_, gqa);
   out = out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_});
   return o_proj(out);
 }

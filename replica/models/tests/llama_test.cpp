@@ -8,6 +8,7 @@
 #include "replica/models/tests/test_util.h"
 #include "replica/io/safetensors.h"
 
+#include <ATen/SDPBackend.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -257,6 +258,48 @@ TEST(Llama, PackedSamplesMatchEachSampleAlone) {
   auto lb = causal_lm_loss_sum(model->forward(b), b);
   EXPECT_EQ(packed_loss.count.item<int64_t>(), 4 + 6);
   EXPECT_NEAR(packed_loss.sum.item<double>(), la.sum.item<double>() + lb.sum.item<double>(), 1e-4);
+}
+
+// Note [grouped-query attention and the math kernel] (llama.cpp): where ATen would send a
+// grouped-query call to its math path, the key/value heads are repeated first. On CPU the flash
+// kernel takes grouped queries, so the repeat path runs here with ATen's flash kernels turned
+// off; it must compute what the grouped call computes, causal and packed, forward and backward.
+TEST(Llama, RepeatedKeyValueHeadsComputeWhatGroupedQueryAttentionComputes) {
+  torch::manual_seed(5);
+  LlamaForCausalLM model(tiny_config());  // 4 query heads over 2 key/value heads
+  auto ids = torch::randint(0, 50, {2, 12});
+  auto segments = torch::cat({torch::zeros({2, 5}, torch::kInt64), torch::ones({2, 7}, torch::kInt64)}, 1);
+  struct Pass {
+    torch::Tensor logits;
+    std::vector<torch::Tensor> grads;
+  };
+  auto run = [&](const torch::Tensor& seg) {
+    model->zero_grad();
+    auto logits = model->forward(ids, {}, seg);
+    (logits * logits.detach().sin()).sum().backward();  // a loss that weighs every logit differently
+    Pass p{logits.detach().clone(), {}};
+    for (const auto& q : model->parameters()) p.grads.push_back(q.grad().clone());
+    return p;
+  };
+  auto& ctx = at::globalContext();
+  const bool flash_was = ctx.userEnabledFlashSDP();
+  for (const bool packed : {false, true}) {
+    SCOPED_TRACE(packed ? "packed segments" : "causal");
+    const auto seg = packed ? segments : torch::Tensor();
+    ctx.setSDPUseFlash(true);
+    const auto grouped = run(seg);
+    ctx.setSDPUseFlash(false);
+    // The precondition: with the flash kernel off, ATen's choice for a grouped call is math.
+    auto q = torch::randn({2, 4, 12, 8}), kv = torch::randn({2, 2, 12, 8});
+    ASSERT_EQ(at::_fused_sdp_choice(q, kv, kv, {}, 0.0, true, {}, true), static_cast<int64_t>(at::SDPBackend::math));
+    const auto repeated = run(seg);
+    ctx.setSDPUseFlash(flash_was);
+    EXPECT_LE(max_abs_diff(repeated.logits, grouped.logits), 1e-6);
+    ASSERT_EQ(repeated.grads.size(), grouped.grads.size());
+    for (size_t i = 0; i < grouped.grads.size(); ++i) {
+      EXPECT_LE(max_abs_diff(repeated.grads[i], grouped.grads[i]), 1e-5) << i;
+    }
+  }
 }
 
 TEST(Llama, LossShiftAndIgnoreIndex) {
