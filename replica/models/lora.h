@@ -7,7 +7,9 @@
 // kaiming-uniform(a = sqrt(5)) and B [out, r] zeros, so a fresh adapter changes nothing.
 // Dropout is on the LoRA input path only. Like PEFT (autocast_adapter_dtype=True) the
 // adapter weights are fp32 even over a bf16 base; the input is cast to their dtype and the
-// sum cast back to the base output's dtype.
+// sum cast back to the base output's dtype. For backward the branch keeps the input (the base
+// linear's own tensor) and a one-byte dropout mask, not PEFT's noise and dropped copy (Note
+// [LoRA's input path keeps a mask, not copies] in lora.cpp).
 //
 // Names. Inside the model the adapter weights sit next to the base weight:
 //     model.layers.0.self_attn.q_proj.weight          (base, frozen, the HF name)

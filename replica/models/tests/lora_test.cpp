@@ -9,6 +9,7 @@
 #include "replica/models/tests/test_util.h"
 #include "replica/io/safetensors.h"
 
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -126,6 +127,60 @@ TEST(Lora, DropoutIsOnTheAdapterPathOnly) {
   layer->eval();
   auto expected = base + torch::linear(torch::linear(x, layer->lora_A->weight), layer->lora_B->weight) * 2.0;
   EXPECT_LE(max_abs_diff(layer->forward(x), expected), 1e-6);
+}
+
+// Note [LoRA's input path keeps a mask, not copies] (lora.cpp): the adapter branch saves x and a
+// one-byte mask instead of PEFT's noise and dropped copy; it must draw the same mask as ATen's
+// dropout and give PEFT's branch's output and gradients, in fp32 and under bf16 autocast over a
+// bf16 base, with and without dropout.
+TEST(Lora, AdapterBranchComputesPeftsDropoutBranchForwardAndBackward) {
+  for (const bool bf16 : {false, true}) {
+    for (const double p : {0.0, 0.3}) {
+      SCOPED_TRACE(std::string(bf16 ? "bf16 autocast" : "fp32") + " p=" + std::to_string(p));
+      torch::manual_seed(4);
+      LoraLinear layer(24, 40, /*bias=*/true, bf16 ? torch::kBFloat16 : torch::kFloat32);
+      layer->add_lora(4, 2.0, p);
+      { torch::NoGradGuard g; layer->lora_B->weight.normal_(0.0, 0.1); }
+      layer->train();
+      auto x0 = torch::randn({2, 5, 24}).to(bf16 ? torch::kBFloat16 : torch::kFloat32);
+      auto weigh = torch::randn({2, 5, 40});  // a loss that weighs every output differently
+      struct Pass {
+        torch::Tensor out, gx, ga, gb;
+      };
+      auto run = [&](bool peft) {
+        layer->zero_grad();
+        auto x = x0.clone().requires_grad_(true);
+        at::autocast::set_autocast_enabled(torch::kCPU, bf16);
+        if (bf16) at::autocast::set_autocast_dtype(torch::kCPU, torch::kBFloat16);
+        torch::manual_seed(9);
+        torch::Tensor out;
+        if (peft) {  // peft/tuners/lora/layer.py Linear.forward, through ATen's own ops
+          auto h = torch::dropout(x.to(torch::kFloat32), p, /*train=*/true);
+          auto branch = torch::linear(torch::linear(h, layer->lora_A->weight), layer->lora_B->weight) * 2.0;
+          auto base = replica::models::linear(x, layer->weight, layer->bias);
+          out = (base + branch).to(base.scalar_type());
+        } else {
+          out = layer->forward(x);
+        }
+        at::autocast::set_autocast_enabled(torch::kCPU, false);
+        at::autocast::clear_cache();
+        (out.to(torch::kFloat32) * weigh).sum().backward();
+        return Pass{out.detach(), x.grad(), layer->lora_A->weight.grad().clone(), layer->lora_B->weight.grad().clone()};
+      };
+      const auto ours = run(false), peft = run(true);
+      // fp32: float rounding (another GEMM); bf16: the same bf16 products, within a bf16 ulp. Another
+      // mask than ATen's dropout draws would move the output by the branch's size, far beyond either.
+      const double tol = bf16 ? 1e-2 : 1e-5;
+      auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+        return max_abs_diff(a.to(torch::kFloat32), b.to(torch::kFloat32)) /
+               std::max(1e-12, b.to(torch::kFloat32).abs().max().item<double>());
+      };
+      EXPECT_LE(rel(ours.out, peft.out), tol);
+      EXPECT_LE(rel(ours.gx, peft.gx), tol);
+      EXPECT_LE(rel(ours.ga, peft.ga), tol);
+      EXPECT_LE(rel(ours.gb, peft.gb), tol);
+    }
+  }
 }
 
 TEST(Lora, TargetModulesSelectLayers) {
