@@ -159,6 +159,16 @@ bool set_cpu_bf16_through_fp32(bool on) {
   return was;
 }
 
+torch::Tensor dtype_matmul(const torch::Tensor& x, const torch::Tensor& w) {
+  if (x.is_cpu() && x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.dim() >= 1 &&
+      x.numel() > 0 && cpu_bf16_through_fp32()) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = w.size(1);
+    return cpu_bf16_matmul(x.reshape({-1, x.size(-1)}), w).view(sizes);
+  }
+  return at::matmul(x, w);
+}
+
 torch::Tensor cpu_bf16_matmul(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0) || (bias.defined() && bias.numel() != b.size(1))) {
     fail("cpu_bf16_matmul: a {} times b {} (bias {})", c10::str(a.sizes()), c10::str(b.sizes()),

@@ -34,5 +34,9 @@ bool set_cpu_bf16_through_fp32(bool on);
 // added: what a bf16 GEMM with fp32 accumulation gives, computed by the fp32 GEMM a block of
 // b's columns at a time and rounded to bf16 once. No autograd.
 torch::Tensor cpu_bf16_matmul(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& bias = {});
+// x [..., K] times w [K, N]: at::matmul, except bf16 operands on a CPU without bf16
+// arithmetic, which go through cpu_bf16_matmul (the same values). For products that are no layer's forward: a quantized base's dequantized weight,
+// LoRA's adapter gradients.
+torch::Tensor dtype_matmul(const torch::Tensor& x, const torch::Tensor& w);
 
 }  // namespace replica::models

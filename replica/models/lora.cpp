@@ -76,13 +76,6 @@ torch::Tensor dropout_scale(torch::Tensor t, const torch::Tensor& keep, double p
   return out.masked_fill_(keep.logical_not(), 0.0);
 }
 
-// a [M, K] times b [K, N] in their (common) dtype: bf16 on a CPU without bf16 arithmetic goes
-// through the fp32 GEMM (models::cpu_bf16_matmul, LibTorch's bf16 values).
-torch::Tensor product(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.is_cpu() && a.scalar_type() == torch::kBFloat16 && cpu_bf16_through_fp32()) return cpu_bf16_matmul(a, b);
-  return a.mm(b);
-}
-
 class LoraDown : public torch::autograd::Function<LoraDown> {
  public:
   // x [..., in], a = lora_A.weight [r, in]; p: the dropout probability (0: none).
@@ -116,11 +109,11 @@ class LoraDown : public torch::autograd::Function<LoraDown> {
     torch::Tensor grad_x, grad_a;
     if (ctx->needs_input_grad(1)) {
       auto h = x.to(a.scalar_type());
-      if (p > 0) h = dropout_scale(h, keep, p, /*in_place=*/false);  // h may be x itself
-      grad_a = product(grad.t(), h.reshape({-1, in}).to(compute)).to(a.scalar_type());
+      if (p > 0) h = dropout_scale(h, keep, p, /*in_place=*/!h.is_same(x));  // x itself in fp32: never written
+      grad_a = dtype_matmul(grad.t(), h.reshape({-1, in}).to(compute)).to(a.scalar_type());
     }
     if (ctx->needs_input_grad(0)) {
-      auto g = product(grad, a.to(compute)).to(a.scalar_type());
+      auto g = dtype_matmul(grad, a.to(compute)).to(a.scalar_type());
       if (p > 0) g = dropout_scale(g, keep.reshape({-1, in}), p, /*in_place=*/true);
       grad_x = g.to(x.scalar_type()).reshape(x.sizes());
     }

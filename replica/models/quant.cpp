@@ -216,30 +216,18 @@ QuantizedTensor saved_quantized(AutogradContext* ctx) {
   return q;
 }
 
-// x [..., K] times w [K, N]; bf16 on a CPU without bf16 arithmetic through the fp32 GEMM
-// (models/linear.h, Note [bf16 GEMMs through fp32 on CPUs without bf16 arithmetic]).
-torch::Tensor base_matmul(const torch::Tensor& x, const torch::Tensor& w) {
-  if (x.is_cpu() && x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.dim() >= 1 &&
-      x.numel() > 0 && cpu_bf16_through_fp32()) {
-    auto sizes = x.sizes().vec();
-    sizes.back() = w.size(1);
-    return cpu_bf16_matmul(x.reshape({-1, x.size(-1)}), w).view(sizes);
-  }
-  return at::matmul(x, w);
-}
-
 // y = x W^T with W dequantized here and again in backward: only the codes are saved (the
 // layer's resident bytes), never the full-precision weight. x arrives in the compute dtype.
 struct QuantizedMatmul : public torch::autograd::Function<QuantizedMatmul> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const QuantizedTensor& q) {
     save_quantized(ctx, q);
-    return base_matmul(x, dequantize(q, x.scalar_type()).t());
+    return dtype_matmul(x, dequantize(q, x.scalar_type()).t());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const torch::Tensor& grad = grads[0];
     if (!grad.defined()) return {torch::Tensor(), torch::Tensor()};
     // dL/dx = dL/dy W; the frozen weight gets no gradient.
-    return {base_matmul(grad, dequantize(saved_quantized(ctx), grad.scalar_type())), torch::Tensor()};
+    return {dtype_matmul(grad, dequantize(saved_quantized(ctx), grad.scalar_type())), torch::Tensor()};
   }
 };
 

@@ -282,7 +282,11 @@ TEST(Llama, RepeatedKeyValueHeadsComputeWhatGroupedQueryAttentionComputes) {
     return p;
   };
   auto& ctx = at::globalContext();
-  const bool flash_was = ctx.userEnabledFlashSDP();
+  // The setting back as it was however the test ends (an ASSERT returns early).
+  struct RestoreFlash {
+    bool was = at::globalContext().userEnabledFlashSDP();
+    ~RestoreFlash() { at::globalContext().setSDPUseFlash(was); }
+  } restore;
   for (const bool packed : {false, true}) {
     SCOPED_TRACE(packed ? "packed segments" : "causal");
     const auto seg = packed ? segments : torch::Tensor();
@@ -293,7 +297,7 @@ TEST(Llama, RepeatedKeyValueHeadsComputeWhatGroupedQueryAttentionComputes) {
     auto q = torch::randn({2, 4, 12, 8}), kv = torch::randn({2, 2, 12, 8});
     ASSERT_EQ(at::_fused_sdp_choice(q, kv, kv, {}, 0.0, true, {}, true), static_cast<int64_t>(at::SDPBackend::math));
     const auto repeated = run(seg);
-    ctx.setSDPUseFlash(flash_was);
+    ctx.setSDPUseFlash(restore.was);
     EXPECT_LE(max_abs_diff(repeated.logits, grouped.logits), 1e-6);
     ASSERT_EQ(repeated.grads.size(), grouped.grads.size());
     for (size_t i = 0; i < grouped.grads.size(); ++i) {
