@@ -5,7 +5,11 @@
 #include "replica/models/fused_ops.h"
 #include "replica/models/linear.h"
 
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
+
+#include <algorithm>
 
 namespace replica::models {
 namespace {
@@ -13,13 +17,55 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The chunk's logits as the head computes them, in fp32. On the CPU in fp32 through the model
-// layers' GEMM (models/linear.h: OpenBLAS where core/cpu_gemm.h chose it), as the head's forward.
+// Note [the head's product dtype]
+// The head multiplies in the dtype torch::linear would: autocast's where autocast is on for the
+// hidden states' device when the forward runs (fp32 hidden states and weight under CPU or CUDA
+// autocast to bf16), else the hidden states' own. The forward records it and the backward, which
+// runs outside autocast, recomputes each chunk's logits in that same dtype, so the gradient
+// softmax - one_hot is taken of the logits whose log-sum-exp the forward kept (an fp32 backward
+// against a bf16 forward's log-sum-exp would leave softmax rows that do not sum to 1). bf16 on a
+// CPU without bf16 arithmetic goes through the fp32 GEMM (models/linear.h cpu_bf16_matmul): the
+// head is a [tokens, H] x [H, vocab] product three times a step (forward, the backward's
+// recomputation, the input gradient), and ATen's generic bf16 CPU GEMM ran it single-threaded at
+// ~1/57 of the fp32 speed: 2048 tokens at hidden 4096 and a 32k vocabulary took over 30 minutes
+// a step there, whatever the depth of the model.
+at::ScalarType product_dtype(const torch::Tensor& hidden) {
+  const auto device = hidden.device().type();
+  if (at::autocast::is_autocast_enabled(device) && hidden.scalar_type() != torch::kFloat64) {
+    return at::autocast::get_autocast_dtype(device);
+  }
+  return hidden.scalar_type();
+}
+
+bool through_fp32(const torch::Tensor& h, at::ScalarType dtype) {
+  return h.is_cpu() && dtype == torch::kBFloat16 && cpu_bf16_through_fp32();
+}
+
+// a32 [M, K] (fp32) times w [K, N] (bf16) summed in fp32, w widened a block of its rows (8 MiB of
+// fp32) at a time, and rounded to bf16 once: the input gradient d W of a [chunk, vocab] by
+// [vocab, H] product without an fp32 copy of W and with GEMMs of full width (cpu_bf16_matmul
+// blocks the other way: by W's columns, 65 at a 32k vocabulary).
+torch::Tensor widened_matmul_by_row_blocks(const torch::Tensor& a32, const torch::Tensor& w) {
+  const int64_t k = w.size(0), n = w.size(1);
+  auto out = torch::zeros({a32.size(0), n}, a32.options());
+  const int64_t block = std::max<int64_t>(64, (int64_t{8} << 20) / (4 * std::max<int64_t>(1, n)));
+  for (int64_t r = 0; r < k; r += block) {
+    const int64_t rb = std::min(block, k - r);
+    out.addmm_(a32.narrow(1, r, rb), w.narrow(0, r, rb).to(torch::kFloat32));
+  }
+  return out.to(torch::kBFloat16);
+}
+
+// The chunk's logits as the head computes them, in fp32; h and weight already in the product
+// dtype. In fp32 on the CPU through the model layers' GEMM (models/linear.h: OpenBLAS where
+// core/cpu_gemm.h chose it), as the head's forward.
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& weight, const torch::Tensor& bias) {
-  const auto optional_bias = bias.numel() > 0 ? bias : torch::Tensor();  // models::linear: undefined = none
+  const auto optional_bias = bias.numel() > 0 ? bias.to(h.scalar_type()) : torch::Tensor();  // undefined = none
+  if (through_fp32(h, h.scalar_type())) return cpu_bf16_matmul(h, weight.t(), optional_bias).to(torch::kFloat32);
+  // No autocast here: the operands are in the product dtype already (Note [the head's product dtype]).
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   if (linear_uses_openblas(h, weight, optional_bias)) return models::linear(h, weight, optional_bias);
-  auto w = weight.scalar_type() == h.scalar_type() ? weight : weight.to(h.scalar_type());
-  auto logits = bias.numel() > 0 ? torch::addmm(bias.to(h.scalar_type()), h, w.t()) : torch::matmul(h, w.t());
+  auto logits = optional_bias.defined() ? torch::addmm(optional_bias, h, weight.t()) : torch::matmul(h, weight.t());
   return logits.to(torch::kFloat32);
 }
 
@@ -27,12 +73,15 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& hidden, const torch::Tensor& weight,
                                const torch::Tensor& bias, const torch::Tensor& targets, int64_t chunk) {
     torch::NoGradGuard no_grad;
+    const auto dtype = product_dtype(hidden);
+    const auto h_all = hidden.to(dtype);
+    const auto w = weight.to(dtype);
     const int64_t n = hidden.size(0);
     auto lse = torch::empty({n}, hidden.options().dtype(torch::kFloat32));
     auto total = torch::zeros({}, hidden.options().dtype(torch::kFloat32));
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t len = std::min(chunk, n - start);
-      auto logits = chunk_logits(hidden.narrow(0, start, len), weight, bias);
+      auto logits = chunk_logits(h_all.narrow(0, start, len), w, bias);
       auto t = targets.narrow(0, start, len);
       if (fused_kernels_for(logits)) {  // one pass per row (Note [fused kernels])
         auto rows = fused_cross_entropy_rows(logits, t);
@@ -48,6 +97,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     }
     ctx->save_for_backward({hidden, weight, bias, targets, lse});
     ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(dtype);
     return total;
   }
 
@@ -59,21 +109,26 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     const auto& targets = saved[3];
     const auto& lse = saved[4];
     const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     const auto grad = grad_outputs[0].to(torch::kFloat32);
     const bool need_h = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1),
                need_b = bias.numel() > 0 && ctx->needs_input_grad(2);
     torch::NoGradGuard no_grad;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const int64_t n = hidden.size(0);
-    torch::Tensor grad_h = need_h ? torch::empty_like(hidden) : torch::Tensor();
+    const auto h_all = hidden.to(dtype);
+    const auto w = weight.to(dtype);
+    torch::Tensor grad_h = need_h ? torch::empty(hidden.sizes(), hidden.options().dtype(dtype)) : torch::Tensor();
     torch::Tensor grad_w = need_w ? torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32)) : torch::Tensor();
     torch::Tensor grad_b = need_b ? torch::zeros(bias.sizes(), bias.options().dtype(torch::kFloat32)) : torch::Tensor();
-    const bool openblas = linear_uses_openblas(hidden, weight, bias.numel() > 0 ? bias : torch::Tensor());
+    const bool openblas = linear_uses_openblas(h_all, w, bias.numel() > 0 ? bias.to(dtype) : torch::Tensor());
+    const bool widened = through_fp32(h_all, dtype);
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t len = std::min(chunk, n - start);
-      auto h = hidden.narrow(0, start, len);
+      auto h = h_all.narrow(0, start, len);
       auto t = targets.narrow(0, start, len);
       // d(lse - picked)/dlogits = softmax - one_hot(target), zero for ignored tokens.
-      auto logits = chunk_logits(h, weight, bias);
+      auto logits = chunk_logits(h, w, bias);
       torch::Tensor d;
       if (fused_kernels_for(logits)) {
         d = fused_cross_entropy_rows_backward(logits, t, lse.narrow(0, start, len), grad);
@@ -87,7 +142,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
         // Straight into grad_h's rows and accumulated into grad_w (beta 1): no temporaries.
         const int64_t vocab = weight.size(0), dim = weight.size(1);
         if (need_h) {
-          cpu_sgemm(false, false, len, dim, vocab, d.data_ptr<float>(), vocab, weight.data_ptr<float>(), dim, 0.f,
+          cpu_sgemm(false, false, len, dim, vocab, d.data_ptr<float>(), vocab, w.data_ptr<float>(), dim, 0.f,
                     grad_h.narrow(0, start, len).data_ptr<float>(), dim);
         }
         if (need_w) {
@@ -95,12 +150,26 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
                     grad_w.data_ptr<float>(), dim);
         }
       } else {
-        auto d_in = d.to(h.scalar_type());
-        if (need_h) grad_h.narrow(0, start, len).copy_(torch::matmul(d_in, weight.to(h.scalar_type())));
-        if (need_w) grad_w.add_(torch::matmul(d_in.t(), h).to(torch::kFloat32));
+        // The logits' gradient rounded to the product dtype, as autograd hands a bf16 matmul
+        // its gradient.
+        auto d_in = d.to(dtype);
+        if (need_h) {
+          grad_h.narrow(0, start, len)
+              .copy_(widened ? widened_matmul_by_row_blocks(d_in.to(torch::kFloat32), w) : torch::matmul(d_in, w));
+        }
+        if (need_w) {
+          // Widened: accumulated in fp32 by one GEMM ([V, H] fp32, no bf16 product to round and
+          // add); else the product in the dtype, summed into fp32.
+          if (widened) {
+            grad_w.addmm_(d_in.t().to(torch::kFloat32), h.to(torch::kFloat32));
+          } else {
+            grad_w.add_(torch::matmul(d_in.t(), h).to(torch::kFloat32));
+          }
+        }
       }
       if (need_b) grad_b.add_(d.sum(0));
     }
+    if (need_h) grad_h = grad_h.to(hidden.scalar_type());
     if (need_w) grad_w = grad_w.to(weight.scalar_type());
     if (need_b) grad_b = grad_b.to(bias.scalar_type());
     return {grad_h, grad_w, grad_b, torch::Tensor(), torch::Tensor()};

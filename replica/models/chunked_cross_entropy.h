@@ -7,8 +7,9 @@
 // together. Here the forward keeps one fp32 log-sum-exp per token; the backward recomputes
 // each chunk's logits (one more [chunk, H] x [H, V] matmul per chunk, ~1/(3 x layers) of the
 // step's FLOPs) and turns them into the gradient right away: softmax - one_hot, scaled.
-// Numerically: the logits are computed as the head computes them (the hidden states' dtype,
-// fp32 accumulation), cast to fp32, and reduced in fp32, as transformers' ForCausalLMLoss
+// Numerically: the logits are computed as the head computes them (autocast's dtype where it is
+// on in the forward, else the hidden states'; fp32 accumulation; Note [the head's product
+// dtype] in the .cpp), cast to fp32, and reduced in fp32, as transformers' ForCausalLMLoss
 // does after `logits.float()`; sums of chunks instead of one sum, so equal to the plain path
 // within float rounding.
 #pragma once
