@@ -66,11 +66,9 @@ int main(int argc, char** argv) {
     }
     pg_options.backend = replica::train::process_group_backend("auto", device);
     pg_options.cuda_device = device.index();
-  } else {
-    // The CPU's stand-in for the CUDA caching allocator (core/system.h); on a GPU the blocks that
-    // matter are the device's, which LibTorch already caches.
-    replica::keep_freed_memory_in_process();
   }
+  // On the CPU, DistributedDataParallel's constructor makes the C allocator keep freed blocks
+  // (core/system.h), sized by the model's parameters, as in the trainer.
   // The device waits for its queued kernels, so that the clock measures the steps, not their launch.
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize();

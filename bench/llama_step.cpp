@@ -73,12 +73,12 @@ int main(int argc, char** argv) {
     if (device.is_cuda()) torch::cuda::synchronize();
   };
   replica::set_compute_threads(threads);
-  replica::keep_freed_memory_in_process();
   torch::manual_seed(0);
   auto config = replica::models::parse_llama_config(preset == "500m" ? k500m : kSmall, "bench config");
   replica::models::LlamaForCausalLM model(config);
   model->to(device);
   if (dtype == "bf16-weights") model->to(torch::kBFloat16);
+  replica::keep_freed_memory_for(model->parameters());  // as the trainer, once the model is built
   // The trainer's AdamW (replica::train::FusedAdamW), with torch.optim.AdamW's default weight
   // decay as on the PyTorch side.
   replica::train::OptimizerSpec spec;

@@ -165,7 +165,8 @@ int main(int argc, char** argv) {
     if (device.is_cuda()) torch::cuda::synchronize();
   };
   replica::set_compute_threads(threads);
-  if (keep_freed == "before-build") replica::keep_freed_memory_in_process();
+  // before-build: sized as for a model without large trainable parameters (LoRA's).
+  if (keep_freed == "before-build") replica::keep_freed_memory_in_process(0);
   const double rss_base = rss_mib();
 
   torch::manual_seed(0);
@@ -203,7 +204,6 @@ int main(int argc, char** argv) {
     if (quantize_embeddings) model->quantize_embeddings(options);
   }
   model->to(device);
-  if (keep_freed == "trainer") replica::keep_freed_memory_in_process();
   model->train();
   model->model->set_gradient_checkpointing(!no_checkpointing);
   replica::models::LoraConfig lora;
@@ -248,6 +248,7 @@ int main(int argc, char** argv) {
   spec.lr = 1e-4;
   spec.weight_decay = 0.01;
   auto optimizer = replica::train::make_optimizer(spec, trainable);
+  if (keep_freed == "trainer") replica::keep_freed_memory_for(trainable);  // as the trainer, once the model is built
   const double rss_model = rss_mib();
 
   auto gen = at::detail::createCPUGenerator(1);

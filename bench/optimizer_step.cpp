@@ -31,11 +31,11 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   replica::set_compute_threads(threads);
-  replica::keep_freed_memory_in_process();
 
   auto options = torch::optim::SGDOptions(0.05).momentum(0.9);
   torch::Tensor a = torch::randn({elements}), b = a.clone();
   a.mutable_grad() = torch::randn({elements}).mul_(1e-3);
+  replica::keep_freed_memory_in_process(a.numel() * a.element_size());  // a's size, as the trainer's for its model
   b.mutable_grad() = a.grad().clone();
   torch::optim::SGD reference({a}, options);
   replica::train::FusedSGD fused({b}, options);

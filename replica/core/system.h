@@ -4,6 +4,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
+
+namespace at {
+class Tensor;
+}
 
 namespace replica {
 
@@ -27,8 +32,12 @@ void set_compute_threads(int threads);
 // on free, so a training step pays a page fault and a kernel zero-fill per 4 KiB of every
 // large tensor it creates: measured here, 44% of the CPU time of a world-1 step of MLP-54M and
 // 8% of MLP-1.8M. Training reuses the same sizes every step, so the retained memory is the
-// step's own peak, not growth. Idempotent; a no-op outside glibc.
-void keep_freed_memory_in_process();
+// step's own peak, not growth. Blocks of 32 MiB and more are kept only where the model has a
+// trainable parameter of half that size or more (`largest_parameter_bytes`): Note [which freed
+// blocks the process keeps] in system.cpp. Idempotent for one size; a no-op outside glibc.
+void keep_freed_memory_in_process(int64_t largest_parameter_bytes);
+// The same for a model: the largest of `parameters` that requires a gradient, in bytes.
+void keep_freed_memory_for(const std::vector<at::Tensor>& parameters);
 
 // "SIGKILL", "SIGSEGV", ... for a signal number ("signal 42" when unnamed).
 std::string signal_name(int signo);

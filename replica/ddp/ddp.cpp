@@ -100,7 +100,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   if (!pg_) fail("DistributedDataParallel needs a process group");
   // A training process: large tensors freed by one step are reused by the next instead of
   // being unmapped and faulted in again (replica/core/system.h).
-  keep_freed_memory_in_process();
+  keep_freed_memory_for(module_->parameters());
 
   // Identical replicas: everything rank 0 has, every rank has.
   std::vector<torch::Tensor> state;

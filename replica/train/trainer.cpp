@@ -316,8 +316,13 @@ int run_worker(const RunConfig& config) {
   auto engine = make_engine(p, workload->model(), pg, device);
   // The steps' large blocks stay in the process from now on (core/system.h), not earlier: the
   // model's load (a quantized base's full-precision weights and the quantizer's temporaries)
-  // must give its memory back.
-  keep_freed_memory_in_process();
+  // must give its memory back. Sized by the model's trainable parameters and the engine's
+  // (ZeRO's flat shards): Note [which freed blocks the process keeps] in core/system.cpp.
+  {
+    auto sized_by = engine->parameters();
+    for (const auto& t : workload->model()->parameters()) sized_by.push_back(t);
+    keep_freed_memory_for(sized_by);
+  }
   auto optimizer = make_optimizer(
       OptimizerSpec{p.optimizer, p.lr, p.momentum, p.weight_decay, p.offload_optimizer_device, p.nvme_path},
       engine->parameters());
