@@ -77,9 +77,12 @@ void set_compute_threads(int threads) {
 void keep_freed_memory_in_process(int64_t largest_parameter_bytes) {
 #if defined(__GLIBC__)
   constexpr int64_t kGlibcDynamicThresholdMax = int64_t{32} << 20;
+  constexpr int kGlibcDefaultMmapMax = 65536;
   const int64_t threshold = std::max(kGlibcDynamicThresholdMax, 2 * std::max<int64_t>(0, largest_parameter_bytes) + 4096);
   if (threshold > INT_MAX || mallopt(M_MMAP_THRESHOLD, static_cast<int>(threshold)) != 1) {
     mallopt(M_MMAP_MAX, 0);  // large blocks come from the heap, not per-block mmaps
+  } else {
+    mallopt(M_MMAP_MAX, kGlibcDefaultMmapMax);  // undoes an earlier call's 0
   }
   mallopt(M_TRIM_THRESHOLD, INT_MAX);  // and stay there when freed, for the next step
 #else

@@ -48,6 +48,10 @@ TEST(KeepFreedMemory, BlocksOf32MibAndMoreAreMappedUnlessATrainableParameterIsHa
   EXPECT_FALSE(served_by_mmap(240 * kMiB));
   replica::keep_freed_memory_for({frozen});  // nothing trained
   EXPECT_TRUE(served_by_mmap(300 * kMiB));
+  replica::keep_freed_memory_in_process(int64_t{2} << 30);  // a 2 GiB parameter: nothing mapped
+  EXPECT_FALSE(served_by_mmap(400 * kMiB));
+  replica::keep_freed_memory_in_process(1 * kMiB);  // and mapping again after that
+  EXPECT_TRUE(served_by_mmap(500 * kMiB));
 #else
   GTEST_SKIP() << "the allocator policy is glibc's only";
 #endif
