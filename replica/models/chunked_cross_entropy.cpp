@@ -37,8 +37,9 @@ at::ScalarType product_dtype(const torch::Tensor& hidden) {
   return hidden.scalar_type();
 }
 
-bool through_fp32(const torch::Tensor& h, at::ScalarType dtype) {
-  return h.is_cpu() && dtype == torch::kBFloat16 && cpu_bf16_through_fp32();
+// Whether h's (bf16) products go through the fp32 GEMM here.
+bool through_fp32(const torch::Tensor& h) {
+  return h.is_cpu() && h.scalar_type() == torch::kBFloat16 && cpu_bf16_through_fp32();
 }
 
 // a32 [M, K] (fp32) times w [K, N] (bf16) summed in fp32, w widened a block of its rows (8 MiB of
@@ -61,7 +62,7 @@ torch::Tensor widened_matmul_by_row_blocks(const torch::Tensor& a32, const torch
 // core/cpu_gemm.h chose it), as the head's forward.
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& weight, const torch::Tensor& bias) {
   const auto optional_bias = bias.numel() > 0 ? bias.to(h.scalar_type()) : torch::Tensor();  // undefined = none
-  if (through_fp32(h, h.scalar_type())) return cpu_bf16_matmul(h, weight.t(), optional_bias).to(torch::kFloat32);
+  if (through_fp32(h)) return cpu_bf16_matmul(h, weight.t(), optional_bias).to(torch::kFloat32);
   // No autocast here: the operands are in the product dtype already (Note [the head's product dtype]).
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   if (linear_uses_openblas(h, weight, optional_bias)) return models::linear(h, weight, optional_bias);
@@ -122,7 +123,7 @@ struct LinearCrossEntropy : public torch::autograd::Function<LinearCrossEntropy>
     torch::Tensor grad_w = need_w ? torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat32)) : torch::Tensor();
     torch::Tensor grad_b = need_b ? torch::zeros(bias.sizes(), bias.options().dtype(torch::kFloat32)) : torch::Tensor();
     const bool openblas = linear_uses_openblas(h_all, w, bias.numel() > 0 ? bias.to(dtype) : torch::Tensor());
-    const bool widened = through_fp32(h_all, dtype);
+    const bool widened = through_fp32(h_all);
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t len = std::min(chunk, n - start);
       auto h = h_all.narrow(0, start, len);
