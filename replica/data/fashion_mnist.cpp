@@ -3,8 +3,10 @@
 #include "replica/data/fashion_mnist.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
 
 #include <torch/torch.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -34,8 +36,15 @@ const char* const kLabelsSuffix = "-labels-idx1-ubyte";
 class GzReader {
  public:
   explicit GzReader(const std::string& path) : path_(path) {
-    file_ = gzopen(path.c_str(), "rb");
-    if (file_ == nullptr) fail("fashion-mnist: cannot open {}", path);
+    // Opened as a RegularFile (core/files.h): a FIFO or a device is refused, never waited on.
+    // zlib reads a duplicate of its descriptor and closes that.
+    const RegularFile file(path);
+    const int fd = ::dup(file.fd());
+    if (fd >= 0) file_ = gzdopen(fd, "rb");
+    if (file_ == nullptr) {
+      if (fd >= 0) ::close(fd);
+      fail("fashion-mnist: cannot open {}", path);
+    }
     // The default 8 KiB buffer makes inflate noticeably slower on 26 MB inputs.
     gzbuffer(file_, 1 << 20);
   }
@@ -129,8 +138,11 @@ std::string list_splits(const std::string& dir) {
 std::string find_file(const std::string& dir, const std::string& split, const std::string& base) {
   const std::string plain = (fs::path(dir) / base).string();
   std::error_code error;
-  if (fs::is_regular_file(plain + ".gz", error)) return plain + ".gz";
-  if (fs::is_regular_file(plain, error)) return plain;
+  // Whatever exists under the name is the file: the reader refuses a FIFO or a device naming
+  // what it is, rather than this reporting it missing.
+  for (const std::string& candidate : {plain + ".gz", plain}) {
+    if (fs::exists(fs::symlink_status(candidate, error)) && !fs::is_directory(candidate, error)) return candidate;
+  }
   fail("fashion-mnist: no file {}[.gz] (split '{}'; splits in {}: {})", plain, split, dir,
        list_splits(dir));
 }

@@ -3,6 +3,7 @@
 
 #include "replica/core/error.h"
 #include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/data/records.h"
 
 #include <fcntl.h>
@@ -13,6 +14,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +24,17 @@ namespace fs = std::filesystem;
 
 namespace replica::data {
 namespace {
+
+// Note [MDS sizes are checked before they are used]
+// Every count and size an index.json or a shard announces (samples, raw_data.bytes,
+// zip_data.bytes, column sizes, a sample's offsets, an ndarray's shape, a zstd frame's content
+// size) is checked against the length of the file it describes and against the format's own
+// bounds before anything is allocated for it, so a few hostile bytes cannot claim gigabytes.
+// The format's bound: a shard's offsets are uint32, so no shard (decompressed) is longer than
+// this, and no column value either.
+constexpr uint64_t kMaxShardBytes = 0xffffffffull;
+// index.json holds ~500 bytes per shard: 256 MiB is half a million shards, petabytes of data.
+constexpr uint64_t kMaxIndexBytes = uint64_t{256} << 20;
 
 struct ScalarSpec {
   const char* name;
@@ -85,11 +98,16 @@ std::optional<NdarraySpec> parse_ndarray(const std::string& encoding) {
   spec.dtype = args[0];
   if (args.size() == 2) {
     std::vector<int64_t> shape;
+    // A fixed shape of more elements than a shard has bytes is no encoding a shard can store
+    // (and its product could overflow): refused here, so fixed_size() is always bounded.
+    uint64_t elements = 1;
     for (const auto& dim : split(args[1], ',')) {
       try {
         size_t used = 0;
         const long long v = std::stoll(dim, &used);
-        if (used != dim.size() || v < 1) return std::nullopt;
+        if (used != dim.size() || v < 1 || static_cast<uint64_t>(v) > kMaxShardBytes) return std::nullopt;
+        elements *= static_cast<uint64_t>(v);  // both factors < 2^32: no overflow
+        if (elements > kMaxShardBytes) return std::nullopt;
         shape.push_back(v);
       } catch (...) {
         return std::nullopt;
@@ -183,13 +201,7 @@ std::string encode_value(const MdsColumn& column, const MdsValue& value) {
   if (enc == "str" || enc == "bytes" || enc == "json") {
     const auto* text = std::get_if<std::string>(&value);
     if (text == nullptr) wrong(enc == "bytes" ? "bytes (a string)" : "a string");
-    if (enc == "json") {
-      try {
-        (void)nlohmann::json::parse(*text);
-      } catch (const std::exception&) {
-        fail("MDS column '{}' (json): the value is not JSON text", column.name);
-      }
-    }
+    if (enc == "json") (void)parse_json(*text, fmt::format("MDS column '{}' (json)", column.name));
     return *text;
   }
   auto nd = parse_ndarray(enc);
@@ -263,13 +275,17 @@ MdsValue decode_value(const MdsColumn& column, const char* p, size_t n, const st
       uint64_t dim = 0;
       std::memcpy(&dim, p + pos, width);
       pos += width;
+      // Each dimension is bounded (it is checked against the value bytes below), so the shape
+      // handed to torch::empty is never negative nor a product that wraps.
+      if (dim > kMaxShardBytes) fail("{}: column '{}' ({}) has a dimension of {}", where, column.name, enc, dim);
       shape.push_back(static_cast<int64_t>(dim));
     }
   }
-  int64_t numel = 1;
-  for (int64_t d : shape) numel *= d;
-  const auto esize = static_cast<size_t>(c10::elementSize(*code->torch_type));
-  if (n - pos != static_cast<size_t>(numel) * esize) {
+  const auto esize = static_cast<uint64_t>(c10::elementSize(*code->torch_type));
+  uint64_t value_bytes = esize;
+  bool overflow = false;
+  for (int64_t d : shape) overflow = overflow || __builtin_mul_overflow(value_bytes, static_cast<uint64_t>(d), &value_bytes);
+  if (overflow || n - pos != value_bytes) {
     fail("{}: column '{}' ({}) has {} value bytes for shape {}", where, column.name, enc, n - pos, c10::str(shape));
   }
   torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(*code->torch_type));
@@ -335,6 +351,10 @@ MdsWriter::MdsWriter(std::string dir, std::vector<MdsColumn> columns, MdsWriterO
   }
   if (!options_.compression.empty()) (void)zstd_level(options_.compression);
   if (options_.size_limit && *options_.size_limit <= 0) fail("MDS size_limit must be > 0");
+  if (options_.size_limit && static_cast<uint64_t>(*options_.size_limit) > kMaxShardBytes) {
+    fail("MDS size_limit {} is more than a shard can hold ({} bytes: its offsets are uint32)", *options_.size_limit,
+         kMaxShardBytes);
+  }
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (ec) fail("cannot create MDS directory '{}': {}", dir_, ec.message());
@@ -451,18 +471,109 @@ void MdsWriter::finish() {
 // ---------------------------------------------------------------------------------------
 // Reader
 
+namespace {
+
+// A string of index.json for a message: at most a few dozen characters of it, quoted.
+std::string excerpt(const std::string& text) { return json_excerpt(nlohmann::json(text)); }
+
+// The non-negative integer index.json holds at object[key] (`name`: the key as a message
+// names it, e.g. raw_data.bytes). A missing key, a float, a negative number or one above `max`
+// is an error naming the file, the shard and the key.
+uint64_t index_count(const nlohmann::json& object, const char* key, const std::string& name, const std::string& where,
+                     uint64_t max, const char* why_max) {
+  const auto it = object.find(key);
+  if (it == object.end()) fail("{}: '{}' is missing", where, name);
+  if (!it->is_number_unsigned()) fail("{}: '{}' must be a non-negative integer, got {}", where, name, json_excerpt(*it));
+  const uint64_t value = it->get<uint64_t>();
+  if (value > max) fail("{}: '{}' is {}, more than {} ({})", where, name, value, max, why_max);
+  return value;
+}
+
+// DIR/BASENAME for a shard's raw_data or zip_data basename, refused unless it stays inside DIR:
+// a relative path without '..' whose real path (symlinks resolved) lies under DIR's real path.
+// Without this a hostile index.json makes replica read any file of the machine as a shard.
+// (Basenames may name subdirectories: streaming's merge_index writes "part0/shard.00000.mds".)
+std::string shard_file(const std::string& dir, const nlohmann::json& entry, const char* key, const std::string& where) {
+  const auto& data = entry.at(key);
+  if (!data.is_object() || !data.contains("basename") || !data.at("basename").is_string()) {
+    fail("{}: '{}' must be an object with a 'basename' string", where, key);
+  }
+  const std::string basename = data.at("basename").get<std::string>();
+  const fs::path relative(basename);
+  bool escapes = basename.empty() || relative.has_root_path();
+  for (const auto& part : relative) escapes = escapes || part == "..";
+  if (escapes) fail("{}: {}.basename {} is outside the data directory '{}'", where, key, excerpt(basename), dir);
+  std::error_code ec_root, ec_file;
+  const fs::path root = fs::weakly_canonical(dir, ec_root);
+  const fs::path real = fs::weakly_canonical(fs::path(dir) / relative, ec_file);
+  if (ec_root || ec_file) {
+    fail("{}: cannot resolve {}.basename {}: {}", where, key, excerpt(basename), (ec_root ? ec_root : ec_file).message());
+  }
+  auto [in_root, in_real] = std::mismatch(root.begin(), root.end(), real.begin(), real.end());
+  if (in_root != root.end() || in_real == real.end()) {
+    fail("{}: {}.basename {} resolves to '{}', outside the data directory '{}'", where, key, excerpt(basename),
+         real.string(), root.string());
+  }
+  return (fs::path(dir) / relative).string();
+}
+
+// The length of a shard file, which must be a regular file (core/files.h: a FIFO or a device is
+// refused without being read, so it never blocks), for the checks against index.json.
+uint64_t shard_file_length(const std::string& file, const std::string& where) {
+  try {
+    return RegularFile(file).size();
+  } catch (const Error& e) {
+    fail("{}: {}", where, e.what());
+  }
+}
+
+// Decompresses a zstd shard into at most `raw_bytes` bytes (index.json's raw_data.bytes, itself
+// at most kMaxShardBytes). A frame that declares its size must declare exactly that, checked
+// before anything is allocated; a frame without a declared size (or several frames) is
+// decompressed by streaming in 1 MiB steps and stopped as soon as it would pass the bound, so a
+// shard that expands to 64 GiB costs at most raw_bytes of memory.
+std::shared_ptr<std::string> decompress_shard(const std::string& zip_path, uint64_t zip_bytes, uint64_t raw_bytes) {
+  const std::string zipped = read_file(zip_path, zip_bytes);
+  const unsigned long long declared = ZSTD_getFrameContentSize(zipped.data(), zipped.size());
+  if (declared == ZSTD_CONTENTSIZE_ERROR) fail("MDS shard '{}' is not zstd data", zip_path);
+  if (declared != ZSTD_CONTENTSIZE_UNKNOWN && declared != raw_bytes) {
+    fail("MDS shard '{}' declares {} decompressed bytes, but index.json's raw_data.bytes says {}", zip_path, declared,
+         raw_bytes);
+  }
+  std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> context(ZSTD_createDCtx(), ZSTD_freeDCtx);
+  if (!context) fail("MDS shard '{}': cannot create a zstd decompression context", zip_path);
+  auto out = std::make_shared<std::string>();
+  if (declared != ZSTD_CONTENTSIZE_UNKNOWN) out->reserve(raw_bytes);
+  std::string step(std::size_t{1} << 20, '\0');
+  ZSTD_inBuffer in{zipped.data(), zipped.size(), 0};
+  for (;;) {
+    ZSTD_outBuffer o{step.data(), step.size(), 0};
+    const size_t left = ZSTD_decompressStream(context.get(), &o, &in);
+    if (ZSTD_isError(left)) fail("MDS shard '{}': zstd decompression failed: {}", zip_path, ZSTD_getErrorName(left));
+    if (out->size() + o.pos > raw_bytes) {
+      fail("MDS shard '{}' decompresses to more than the {} bytes index.json's raw_data.bytes says", zip_path, raw_bytes);
+    }
+    out->append(step.data(), o.pos);
+    if (left == 0 && in.pos == in.size) break;  // every frame decoded and flushed
+    // All input consumed, yet the decoder neither finished nor filled the output: cut off.
+    if (in.pos == in.size && o.pos < o.size) fail("MDS shard '{}': the zstd data is truncated", zip_path);
+  }
+  if (out->size() != raw_bytes) {
+    fail("MDS shard '{}' decompresses to {} bytes, but index.json's raw_data.bytes says {}", zip_path, out->size(),
+         raw_bytes);
+  }
+  return out;
+}
+
+}  // namespace
+
 MdsDataset::MdsDataset(const std::string& path) {
   fs::path index_path = path;
   if (fs::is_directory(index_path) || index_path.filename() != "index.json") index_path /= "index.json";
-  dir_ = index_path.parent_path().string();
+  dir_ = index_path.parent_path().empty() ? "." : index_path.parent_path().string();
   const std::string where = index_path.string();
   if (!fs::exists(index_path)) fail("MDS index '{}' does not exist", where);
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(read_file(where));
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: not valid JSON: {}", where, e.what());
-  }
+  const nlohmann::json index = parse_json(read_file(where, kMaxIndexBytes), where);
   try {
     if (index.value("version", 0) != 2) fail("{}: index version {} (MDS index version 2 is supported)", where, index.value("version", 0));
     const auto& shards = index.at("shards");
@@ -470,13 +581,14 @@ MdsDataset::MdsDataset(const std::string& path) {
     for (size_t s = 0; s < shards.size(); ++s) {
       const auto& e = shards[s];
       const std::string shard_where = fmt::format("{}: shard {}", where, s);
-      if (e.value("format", std::string()) != "mds") fail("{}: format '{}' (only mds is read)", shard_where, e.value("format", std::string("?")));
+      if (!e.is_object()) fail("{}: must be an object, got {}", shard_where, json_excerpt(e));
+      if (e.value("format", std::string()) != "mds") fail("{}: format {} (only mds is read)", shard_where, excerpt(e.value("format", std::string("?"))));
       std::vector<MdsColumn> cols;
       const auto names = e.at("column_names").get<std::vector<std::string>>();
       const auto encs = e.at("column_encodings").get<std::vector<std::string>>();
       if (names.size() != encs.size()) fail("{}: column_names and column_encodings differ in length", shard_where);
       for (size_t i = 0; i < names.size(); ++i) {
-        if (!is_mds_encoding(encs[i])) fail("{}: column '{}' has unsupported encoding '{}'", shard_where, names[i], encs[i]);
+        if (!is_mds_encoding(encs[i])) fail("{}: column {} has unsupported encoding {}", shard_where, excerpt(names[i]), excerpt(encs[i]));
         cols.push_back({names[i], encs[i]});
       }
       if (s == 0) {
@@ -487,21 +599,71 @@ MdsDataset::MdsDataset(const std::string& path) {
                              [](const auto& a, const auto& b) { return a.name == b.name && a.encoding == b.encoding; })) {
         fail("{}: columns differ from shard 0's", shard_where);
       }
-      Shard shard;
-      shard.samples = e.at("samples").get<int64_t>();
-      shard.first = total_;
-      shard.raw_path = (fs::path(dir_) / e.at("raw_data").at("basename").get<std::string>()).string();
-      const auto& zip = e.value("zip_data", nlohmann::json());
+      // column_sizes is what the encodings imply (MDSWriter writes them from the encodings); the
+      // reader uses the encodings' sizes, bounded by parse_ndarray, and refuses an index whose
+      // column_sizes say otherwise rather than guess which is right.
+      if (e.contains("column_sizes")) {
+        const auto& sizes = e.at("column_sizes");
+        if (!sizes.is_array() || sizes.size() != cols.size()) fail("{}: 'column_sizes' must list one size per column", shard_where);
+        for (size_t i = 0; i < cols.size(); ++i) {
+          const std::optional<int64_t> want = fixed_size(cols[i].encoding);
+          const bool same = want ? sizes[i].is_number_unsigned() && sizes[i].get<uint64_t>() == static_cast<uint64_t>(*want)
+                                 : sizes[i].is_null();
+          if (!same) {
+            fail("{}: 'column_sizes' gives column {} ({}) size {}, its encoding has {}", shard_where, excerpt(cols[i].name),
+                 cols[i].encoding, json_excerpt(sizes[i]), want ? std::to_string(*want) : std::string("none (variable)"));
+          }
+        }
+      }
+      if (e.contains("size_limit") && !e.at("size_limit").is_null() &&
+          !(e.at("size_limit").is_number_unsigned() && e.at("size_limit").get<uint64_t>() > 0)) {
+        fail("{}: 'size_limit' must be a positive integer or null, got {}", shard_where, json_excerpt(e.at("size_limit")));
+      }
       const auto compression = e.value("compression", nlohmann::json());
       if (!compression.is_null()) {
+        if (!compression.is_string()) fail("{}: 'compression' must be a string or null", shard_where);
         const std::string c = compression.get<std::string>();
-        if (c != "zstd" && c.rfind("zstd:", 0) != 0) fail("{}: compression '{}' (only zstd is read)", shard_where, c);
+        if (c != "zstd" && c.rfind("zstd:", 0) != 0) fail("{}: compression {} (only zstd is read)", shard_where, excerpt(c));
       }
-      if (!zip.is_null()) shard.zip_path = (fs::path(dir_) / zip.at("basename").get<std::string>()).string();
+
+      Shard shard;
+      shard.first = total_;
+      shard.raw_path = shard_file(dir_, e, "raw_data", shard_where);
+      const auto zip = e.value("zip_data", nlohmann::json());
+      if (!zip.is_null()) shard.zip_path = shard_file(dir_, e, "zip_data", shard_where);
       // A raw shard on disk wins (streaming keeps both when keep_zip is set).
-      shard.compressed = !fs::exists(shard.raw_path) && !shard.zip_path.empty();
-      if (!shard.compressed && !fs::exists(shard.raw_path)) fail("{}: shard file '{}' does not exist", shard_where, shard.raw_path);
-      if (shard.compressed && !fs::exists(shard.zip_path)) fail("{}: shard file '{}' does not exist", shard_where, shard.zip_path);
+      std::error_code ec;
+      shard.compressed = !fs::exists(shard.raw_path, ec) && !shard.zip_path.empty();
+      if (!shard.compressed && !fs::exists(shard.raw_path, ec)) fail("{}: shard file '{}' does not exist", shard_where, shard.raw_path);
+      if (shard.compressed && !fs::exists(shard.zip_path, ec)) fail("{}: shard file '{}' does not exist", shard_where, shard.zip_path);
+      // Note [MDS sizes are checked before they are used]: the sizes index.json declares are
+      // the files' lengths (MDSWriter writes len() of what it wrote).
+      const auto& raw = e.at("raw_data");
+      if (!shard.compressed) {
+        const uint64_t length = shard_file_length(shard.raw_path, shard_where);
+        const uint64_t declared = index_count(raw, "bytes", "raw_data.bytes", shard_where, kMaxShardBytes, "a shard's offsets are uint32");
+        if (declared != length) {
+          fail("{}: 'raw_data.bytes' is {}, but '{}' is {} bytes", shard_where, declared, shard.raw_path, length);
+        }
+        shard.raw_bytes = length;
+      } else {
+        const uint64_t length = shard_file_length(shard.zip_path, shard_where);
+        const uint64_t declared = index_count(zip, "bytes", "zip_data.bytes", shard_where, UINT64_MAX, "");
+        if (declared != length) {
+          fail("{}: 'zip_data.bytes' is {}, but '{}' is {} bytes", shard_where, declared, shard.zip_path, length);
+        }
+        shard.zip_bytes = length;
+        shard.raw_bytes = index_count(raw, "bytes", "raw_data.bytes", shard_where, kMaxShardBytes, "a shard's offsets are uint32");
+      }
+      // A shard of n samples starts with its count and n + 1 offsets: 4 * (n + 2) bytes.
+      const uint64_t samples = index_count(e, "samples", "samples", shard_where, UINT64_MAX, "");
+      const uint64_t header = samples > UINT64_MAX / 4 - 2 ? UINT64_MAX : 4 * (samples + 2);
+      if (header > shard.raw_bytes) {
+        fail("{}: 'samples' is {}, whose count and offsets take {} bytes, but the shard{} is {} bytes", shard_where,
+             samples, header, shard.compressed ? " (raw_data.bytes, decompressed)" : fmt::format(" '{}'", shard.raw_path),
+             shard.raw_bytes);
+      }
+      shard.samples = static_cast<int64_t>(samples);
       total_ += shard.samples;
       shards_.push_back(std::move(shard));
     }
@@ -519,47 +681,55 @@ std::string MdsDataset::sample_bytes(int64_t index, const Shard** shard_out) con
   auto it = std::upper_bound(shards_.begin(), shards_.end(), index, [](int64_t i, const Shard& s) { return i < s.first; });
   const Shard& shard = *(it - 1);
   *shard_out = &shard;
-  const int64_t local = index - shard.first;
+  const auto local = static_cast<uint64_t>(index - shard.first);
+  const uint64_t header = 4 * (static_cast<uint64_t>(shard.samples) + 2);  // count and offsets
   if (shard.compressed) {
     std::shared_ptr<std::string> data;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!shard.decompressed) {
-        const std::string zipped = read_file(shard.zip_path);
-        const unsigned long long size = ZSTD_getFrameContentSize(zipped.data(), zipped.size());
-        if (size == ZSTD_CONTENTSIZE_ERROR || size == ZSTD_CONTENTSIZE_UNKNOWN) fail("'{}': not a zstd frame of known size", shard.zip_path);
-        auto out = std::make_shared<std::string>(size, '\0');
-        const size_t got = ZSTD_decompress(out->data(), out->size(), zipped.data(), zipped.size());
-        if (ZSTD_isError(got) || got != size) fail("'{}': zstd decompression failed", shard.zip_path);
-        shard.decompressed = out;
+        auto d = decompress_shard(shard.zip_path, shard.zip_bytes, shard.raw_bytes);
+        if (get_le<uint32_t>(d->data()) != static_cast<uint32_t>(shard.samples)) {
+          fail("MDS shard '{}': header does not match index.json ({} samples)", shard.zip_path, shard.samples);
+        }
+        shard.decompressed = std::move(d);
       }
       data = shard.decompressed;
     }
-    const std::string& d = *data;
+    const std::string& d = *data;  // raw_bytes long, at least `header` (checked when opened)
     const size_t pos = 4 + 4 * static_cast<size_t>(local);
-    if (d.size() < pos + 8) fail("'{}': truncated offsets (sample {})", shard.zip_path, local);
     const uint32_t begin = get_le<uint32_t>(d.data() + pos), end = get_le<uint32_t>(d.data() + pos + 4);
-    if (begin > end || end > d.size()) fail("'{}': sample {} has bad offsets {}..{}", shard.zip_path, local, begin, end);
+    if (begin < header || begin > end || end > d.size()) fail("'{}': sample {} has bad offsets {}..{}", shard.zip_path, local, begin, end);
     return d.substr(begin, end - begin);
   }
-  const int fd = ::open(shard.raw_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open MDS shard '{}': {}", shard.raw_path, std::strerror(errno));
-  auto read_at = [&](void* buf, size_t n, off_t at) {
-    const ssize_t got = ::pread(fd, buf, n, at);
-    return got == static_cast<ssize_t>(n);
+  // Opened per sample (a data set may have more shards than a process may hold files open),
+  // as a RegularFile: a shard replaced by a FIFO since the index was read is refused, not waited on.
+  const RegularFile file(shard.raw_path);
+  auto read_at = [&](void* buf, size_t n, uint64_t at) {
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t got = ::pread(file.fd(), static_cast<char*>(buf) + done, n - done, static_cast<off_t>(at + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) return false;
+      done += static_cast<size_t>(got);
+    }
+    return true;
   };
   uint32_t head[2];
   uint32_t count = 0;
-  if (!read_at(&count, 4, 0) || count != static_cast<uint32_t>(shard.samples) ||
-      !read_at(head, 8, static_cast<off_t>(4 + 4 * local))) {
-    ::close(fd);
+  if (file.size() < header || !read_at(&count, 4, 0) || count != static_cast<uint32_t>(shard.samples) ||
+      !read_at(head, 8, 4 + 4 * local)) {
     fail("MDS shard '{}': header does not match index.json ({} samples)", shard.raw_path, shard.samples);
   }
-  std::string bytes;
-  if (head[0] <= head[1]) bytes.resize(head[1] - head[0]);
-  const bool ok = head[0] <= head[1] && read_at(bytes.data(), bytes.size(), head[0]);
-  ::close(fd);
-  if (!ok) fail("MDS shard '{}': sample {} (offsets {}..{}) is truncated", shard.raw_path, local, head[0], head[1]);
+  // The offsets are checked against the file's length before the sample's bytes are allocated.
+  if (head[0] < header || head[0] > head[1] || head[1] > file.size()) {
+    fail("MDS shard '{}': sample {} (offsets {}..{}) lies outside the file's {} bytes", shard.raw_path, local, head[0],
+         head[1], file.size());
+  }
+  std::string bytes(head[1] - head[0], '\0');
+  if (!read_at(bytes.data(), bytes.size(), head[0])) {
+    fail("MDS shard '{}': sample {} (offsets {}..{}) is truncated", shard.raw_path, local, head[0], head[1]);
+  }
   return bytes;
 }
 
@@ -637,7 +807,7 @@ int64_t convert_records_to_mds(const std::string& input, const std::string& out_
           } else if (v.is_number_integer()) {
             sample[col.name] = v.get<int64_t>();
           } else {
-            throw std::invalid_argument(v.dump());
+            throw std::invalid_argument("not a number");
           }
         } else if (col.encoding == "json") {
           sample[col.name] = v.is_string() ? v.get<std::string>() : v.dump();
@@ -646,8 +816,9 @@ int64_t convert_records_to_mds(const std::string& input, const std::string& out_
         } else {
           // ndarray: a JSON list of numbers (or its text in a CSV cell), stored as its dtype.
           auto nd = parse_ndarray(col.encoding);
-          const nlohmann::json list = v.is_string() ? nlohmann::json::parse(v.get<std::string>()) : v;
-          if (!list.is_array()) throw std::invalid_argument(v.dump());
+          const nlohmann::json list =
+              v.is_string() ? parse_json(v.get<std::string>(), fmt::format("{}: field '{}'", where, col.name)) : v;
+          if (!list.is_array()) throw std::invalid_argument("not a list");
           const DtypeCode* code = dtype_by_name(nd->dtype.value_or("float32"));
           if (!code->torch_type) fail("{}: column '{}': dtype {} is not supported for conversion", where, col.name, code->name);
           torch::Tensor t = torch::tensor(list.get<std::vector<double>>(), torch::kDouble).to(*code->torch_type);
@@ -657,7 +828,7 @@ int64_t convert_records_to_mds(const std::string& input, const std::string& out_
       } catch (const replica::Error&) {
         throw;
       } catch (const std::exception&) {
-        fail("{}: field '{}' value {} does not fit encoding {}", where, col.name, v.dump(), col.encoding);
+        fail("{}: field '{}' value {} does not fit encoding {}", where, col.name, json_excerpt(v), col.encoding);
       }
     }
     try {

@@ -30,7 +30,12 @@
 // Reading is lazy: opening a dataset reads index.json only; a sample is read with one pread
 // of its bytes, so a worker that asks only for its own indices reads only its share.
 // A zstd shard is decompressed (and kept) the first time one of its samples is asked for.
-// Every malformed input is a replica::Error naming the file (and sample or column).
+// Every malformed input is a replica::Error naming the file (and sample or column). Hostile
+// ones too: every count and size is checked against the files' lengths before anything is
+// allocated (Note [MDS sizes are checked before they are used] in mds.cpp), a zstd shard
+// never expands past index.json's raw_data.bytes, shard files are regular files only, and a
+// basename that leads outside the data directory ('..', an absolute path, a symlink out) is
+// refused.
 #pragma once
 
 #include <torch/types.h>
@@ -109,6 +114,9 @@ class MdsDataset {
     int64_t samples = 0;
     int64_t first = 0;  // global index of its first sample
     bool compressed = false;
+    // The shard's length (decompressed: raw_data.bytes) and its zstd file's length, both
+    // checked against index.json and bounded when the data set is opened.
+    uint64_t raw_bytes = 0, zip_bytes = 0;
     mutable std::shared_ptr<std::string> decompressed;  // zstd shards, once touched
   };
   std::string sample_bytes(int64_t index, const Shard** shard_out) const;

@@ -8,14 +8,23 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
 namespace replica::data {
 
+// The longest record (a JSONL line, a CSV row) replica reads. Why 16 MiB: a 1M-token
+// conversation is ~4 MB of text, so real rows stay far below it; the JSON value parsed from a
+// row takes several times its text, so the bound also bounds the memory one row may claim. It
+// is checked while the row is read, so a 100 MB line (or a file without newlines) is refused
+// after 16 MiB, not after all of it has been buffered.
+inline constexpr std::size_t kMaxRecordBytes = std::size_t{16} << 20;
+
 // `path` is a .jsonl/.json/.csv file, or a directory holding <split>.jsonl or <split>.csv.
-// Errors (missing file, a line that is not a JSON object, a CSV row with the wrong number of
-// cells, an unterminated quote) name the file and line.
+// Errors (missing file, a file that is not a regular file, a line that is not a JSON object or
+// is nested too deep (core/json.h), a row longer than kMaxRecordBytes, a CSV row with the wrong
+// number of cells, an unterminated quote) name the file and line.
 std::vector<nlohmann::json> read_records(const std::string& path, const std::string& split = "train");
 
 // A record and the line of its file it starts on (1-based), for errors about its values.
@@ -27,7 +36,8 @@ struct NumberedRecord {
 // read_records with each record's line number.
 std::vector<NumberedRecord> read_numbered_records(const std::string& path, const std::string& split = "train");
 
-// The file read_records would read for (path, split).
+// The file read_records would read for (path, split). It is not opened here: the reader
+// refuses it then when it is not a regular file (a FIFO, a device), naming it.
 std::string resolve_records_file(const std::string& path, const std::string& split);
 
 }  // namespace replica::data

@@ -204,11 +204,16 @@ TEST_F(Mds, BadInputsAreErrorsNamingTheirSource) {
   expect_error([&] { convert_records_to_mds(bad.string(), (dir_ / "w3").string(), {{"x", "int64"}}, {}); }, "record 2");
   EXPECT_FALSE(fs::exists(dir_ / "w3" / "index.json"));  // a failed conversion is not a data set
 
-  // A truncated shard is named.
+  // A truncated shard is named, when the data set is opened (its length is not raw_data.bytes)
+  // or, cut after that, when the sample is read.
   write_samples(dir_ / "t", 5, {});
   const fs::path shard = dir_ / "t" / "shard.00000.mds";
-  fs::resize_file(shard, fs::file_size(shard) - 10);
+  const auto length = fs::file_size(shard);
+  fs::resize_file(shard, length - 10);
+  expect_error([&] { MdsDataset((dir_ / "t").string()); }, "'raw_data.bytes' is");
+  fs::resize_file(shard, length);
   MdsDataset t((dir_ / "t").string());
+  fs::resize_file(shard, length - 10);
   expect_error([&] { t.get(4); }, "shard.00000.mds");
 }
 
