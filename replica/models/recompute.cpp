@@ -41,6 +41,19 @@ namespace {
 // variable_data(), which shares their memory but not their version counter, so that autograd's
 // saved copy of them in the recomputed graph (batch_norm saves the running statistics) is not
 // seen as modified in place.
+//
+// Note [the recomputation clears autocast's cast cache]
+// Under autocast, ATen caches the lower-precision copy of every fp32 leaf that requires grad
+// (the trainable weights) for as long as autocast stays on, and hands the cached copy to every
+// later op that casts the same tensor, whatever was written into the tensor since (the cache is
+// keyed by the tensor, not its version). Python's autocast context manager clears the cache
+// when its outermost scope exits, and the trainer clears it after each forward. The
+// recomputation turns autocast on again inside the backward, so it must clear what it cached:
+// left in place, the copies of the trainable weights (LoRA's adapters) taken in this backward
+// were served to the next step's forward after the optimizer had changed the weights, and bf16
+// LoRA trained on stale adapters (the loss rose after the first update). Only paths that cast
+// through autocast hit it: ATen's bf16 GEMM on CPUs with bf16 arithmetic and every GPU, not the
+// fp32-through path of CPUs without it (models/linear.cpp), which casts explicitly.
 struct AutocastState {
   bool enabled = false;
   at::ScalarType dtype = at::kBFloat16;
@@ -90,8 +103,12 @@ struct RecomputeBackward final : torch::autograd::Node {
       for (const auto& b : buffers) kept.push_back(b.detach().clone());
       torch::AutoGradMode grad_on(true);
       torch::Tensor x = input.detach().requires_grad_(input_requires_grad);
+      // Note [the recomputation clears autocast's cast cache]: as the outermost autocast
+      // scope does on exit.
+      if (autocast.enabled) at::autocast::increment_nesting();
       const std::vector<torch::Tensor> ys = fn(x);
       set_autocast_state(device.type(), autocast_now);
+      if (autocast.enabled && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
       {
         torch::NoGradGuard no_grad;
         for (size_t i = 0; i < buffers.size(); ++i) buffers[i].variable_data().copy_(kept[i]);
