@@ -20,6 +20,7 @@
 #include <cctype>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -229,8 +230,17 @@ Mapping open_segment(const std::string& name, std::size_t expected_bytes, int pe
 
 constexpr std::size_t kBlock = 2048;
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void reduce_f32(float* out, const float* const* in, int n, std::size_t count, float divisor) {
+// Note [the reduction kernels' instruction sets]
+// The float32 and bfloat16 sums are written once, as plain loops (the *_body functions, always
+// inlined), and compiled three times: for AVX-512, for AVX2 and for any x86-64; float16 has an
+// F16C kernel and a portable one. Which one runs is picked once from the CPU (the widest it
+// has), or forced with REPLICA_SHM_REDUCE=portable|avx2|avx512 (refused where the CPU lacks the
+// instructions), so a machine of one kind still runs the others' paths (tests run every kernel
+// the CPU can execute against the portable one, bit for bit: the same additions in the same
+// order, only the vector width differs).
+
+__attribute__((always_inline)) inline void reduce_f32_body(float* out, const float* const* in, int n,
+                                                           std::size_t count, float divisor) {
   alignas(64) float acc[kBlock];
   for (std::size_t b = 0; b < count; b += kBlock) {
     const std::size_t m = std::min(kBlock, count - b);
@@ -275,8 +285,8 @@ inline std::uint16_t f32_to_bf16(float f) {
   return f != f ? std::uint16_t{0x7FC0} : static_cast<std::uint16_t>(rounded);
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void reduce_bf16(std::uint16_t* out, const std::uint16_t* const* in, int n, std::size_t count, float divisor) {
+__attribute__((always_inline)) inline void reduce_bf16_body(std::uint16_t* out, const std::uint16_t* const* in,
+                                                            int n, std::size_t count, float divisor) {
   alignas(64) float acc[kBlock];
   for (std::size_t b = 0; b < count; b += kBlock) {
     const std::size_t m = std::min(kBlock, count - b);
@@ -293,6 +303,31 @@ void reduce_bf16(std::uint16_t* out, const std::uint16_t* const* in, int n, std:
     }
     for (std::size_t i = 0; i < m; ++i) o[i] = f32_to_bf16(acc[i]);
   }
+}
+
+void reduce_f32_portable(float* out, const float* const* in, int n, std::size_t count, float divisor) {
+  reduce_f32_body(out, in, n, count, divisor);
+}
+__attribute__((target("avx2"))) void reduce_f32_avx2(float* out, const float* const* in, int n,
+                                                          std::size_t count, float divisor) {
+  reduce_f32_body(out, in, n, count, divisor);
+}
+__attribute__((target("avx512f"))) void reduce_f32_avx512(float* out, const float* const* in, int n,
+                                                          std::size_t count, float divisor) {
+  reduce_f32_body(out, in, n, count, divisor);
+}
+void reduce_bf16_portable(std::uint16_t* out, const std::uint16_t* const* in, int n, std::size_t count,
+                          float divisor) {
+  reduce_bf16_body(out, in, n, count, divisor);
+}
+__attribute__((target("avx2"))) void reduce_bf16_avx2(std::uint16_t* out, const std::uint16_t* const* in,
+                                                          int n, std::size_t count, float divisor) {
+  reduce_bf16_body(out, in, n, count, divisor);
+}
+__attribute__((target("avx512f,avx512bw"))) void reduce_bf16_avx512(std::uint16_t* out,
+                                                                    const std::uint16_t* const* in, int n,
+                                                                    std::size_t count, float divisor) {
+  reduce_bf16_body(out, in, n, count, divisor);
 }
 
 void reduce_f16_scalar(std::uint16_t* out, const std::uint16_t* const* in, int n, std::size_t from,
@@ -324,35 +359,78 @@ void reduce_f16_f16c(std::uint16_t* out, const std::uint16_t* const* in, int n, 
   reduce_f16_scalar(out, in, n, i, count, divisor);
 }
 
-bool has_f16c() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  }();
-  return yes;
+bool cpu_runs(ShmReduceKernels k) {
+  __builtin_cpu_init();
+  switch (k) {
+    case ShmReduceKernels::kPortable:
+      return true;
+    case ShmReduceKernels::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case ShmReduceKernels::kAvx512:
+      return cpu_runs(ShmReduceKernels::kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw");
+  }
+  return false;
+}
+
+ShmReduceKernels decide_kernels() {
+  const char* v = std::getenv("REPLICA_SHM_REDUCE");
+  const std::string choice = v && *v ? v : "auto";
+  if (choice == "auto") {
+    for (auto k : {ShmReduceKernels::kAvx512, ShmReduceKernels::kAvx2}) {
+      if (cpu_runs(k)) return k;
+    }
+    return ShmReduceKernels::kPortable;
+  }
+  for (auto k : {ShmReduceKernels::kPortable, ShmReduceKernels::kAvx2, ShmReduceKernels::kAvx512}) {
+    if (choice != shm_reduce_kernels_name(k)) continue;
+    if (!cpu_runs(k)) fail("REPLICA_SHM_REDUCE={}: this CPU lacks the instructions of those kernels", choice);
+    return k;
+  }
+  fail("REPLICA_SHM_REDUCE={}: want auto, portable, avx2 or avx512", choice);
+}
+
+std::atomic<int>& kernels_switch() {  // -1: not decided yet
+  static std::atomic<int> k{-1};
+  return k;
 }
 
 void reduce(c10::ScalarType dtype, void* out, const void* const* in, int n, std::size_t count,
             float divisor = 1.0f) {
   if (count == 0) return;
+  const ShmReduceKernels k = shm_reduce_kernels();
+  auto* out16 = static_cast<std::uint16_t*>(out);
+  const auto* in16 = reinterpret_cast<const std::uint16_t* const*>(in);
   switch (dtype) {
-    case c10::ScalarType::Float:
-      reduce_f32(static_cast<float*>(out), reinterpret_cast<const float* const*>(in), n, count, divisor);
+    case c10::ScalarType::Float: {
+      auto* o = static_cast<float*>(out);
+      const auto* i = reinterpret_cast<const float* const*>(in);
+      if (k == ShmReduceKernels::kAvx512) {
+        reduce_f32_avx512(o, i, n, count, divisor);
+      } else if (k == ShmReduceKernels::kAvx2) {
+        reduce_f32_avx2(o, i, n, count, divisor);
+      } else {
+        reduce_f32_portable(o, i, n, count, divisor);
+      }
       break;
+    }
     case c10::ScalarType::Double:
       reduce_f64(static_cast<double*>(out), reinterpret_cast<const double* const*>(in), n, count, divisor);
       break;
     case c10::ScalarType::BFloat16:
-      reduce_bf16(static_cast<std::uint16_t*>(out), reinterpret_cast<const std::uint16_t* const*>(in), n,
-                  count, divisor);
+      if (k == ShmReduceKernels::kAvx512) {
+        reduce_bf16_avx512(out16, in16, n, count, divisor);
+      } else if (k == ShmReduceKernels::kAvx2) {
+        reduce_bf16_avx2(out16, in16, n, count, divisor);
+      } else {
+        reduce_bf16_portable(out16, in16, n, count, divisor);
+      }
       break;
     case c10::ScalarType::Half:
-      if (has_f16c()) {
-        reduce_f16_f16c(static_cast<std::uint16_t*>(out),
-                        reinterpret_cast<const std::uint16_t* const*>(in), n, count, divisor);
+      if (k != ShmReduceKernels::kPortable) {
+        reduce_f16_f16c(out16, in16, n, count, divisor);
       } else {
-        reduce_f16_scalar(static_cast<std::uint16_t*>(out),
-                          reinterpret_cast<const std::uint16_t* const*>(in), n, 0, count, divisor);
+        reduce_f16_scalar(out16, in16, n, 0, count, divisor);
       }
       break;
     default:
@@ -385,6 +463,49 @@ std::pair<std::size_t, std::size_t> chunk_of(std::size_t len, int n, int p, std:
 }
 
 }  // namespace
+
+const char* shm_reduce_kernels_name(ShmReduceKernels k) {
+  switch (k) {
+    case ShmReduceKernels::kPortable:
+      return "portable";
+    case ShmReduceKernels::kAvx2:
+      return "avx2";
+    case ShmReduceKernels::kAvx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+ShmReduceKernels shm_reduce_kernels() {
+  int k = kernels_switch().load();
+  if (k < 0) {
+    k = static_cast<int>(decide_kernels());
+    kernels_switch().store(k);
+  }
+  return static_cast<ShmReduceKernels>(k);
+}
+
+std::vector<ShmReduceKernels> shm_reduce_kernels_this_cpu_runs() {
+  std::vector<ShmReduceKernels> out;
+  for (auto k : {ShmReduceKernels::kPortable, ShmReduceKernels::kAvx2, ShmReduceKernels::kAvx512}) {
+    if (cpu_runs(k)) out.push_back(k);
+  }
+  return out;
+}
+
+ShmReduceKernels set_shm_reduce_kernels(ShmReduceKernels k) {
+  if (!cpu_runs(k)) fail("shm all-reduce: this CPU cannot run the {} kernels", shm_reduce_kernels_name(k));
+  const ShmReduceKernels was = shm_reduce_kernels();
+  kernels_switch().store(static_cast<int>(k));
+  return was;
+}
+
+void shm_reduce_for_testing(const torch::Tensor& out, const std::vector<torch::Tensor>& in, float divisor) {
+  std::vector<const void*> ptrs;
+  for (const auto& t : in) ptrs.push_back(t.data_ptr());
+  reduce(out.scalar_type(), out.data_ptr(), ptrs.data(), static_cast<int>(ptrs.size()),
+         static_cast<std::size_t>(out.numel()), divisor);
+}
 
 // ---- alloc()'ed regions -------------------------------------------------------------------
 

@@ -36,6 +36,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace replica::distributed {
 
@@ -117,5 +118,19 @@ class ShmAllreduce {
 // The rendezvous through a process group's key-value store. The group must outlive the
 // ShmAllreduce's constructor and alloc() calls.
 ShmAllreduce::Rendezvous store_rendezvous(ProcessGroup& group);
+
+// The summing kernels' instruction set (Note [the reduction kernels' instruction sets] in
+// shm_allreduce.cpp): the widest this CPU has, unless REPLICA_SHM_REDUCE=portable|avx2|avx512
+// forces one. Decided once per process.
+enum class ShmReduceKernels { kPortable, kAvx2, kAvx512 };
+ShmReduceKernels shm_reduce_kernels();
+const char* shm_reduce_kernels_name(ShmReduceKernels k);
+// Every kernel set this CPU can execute (kPortable always).
+std::vector<ShmReduceKernels> shm_reduce_kernels_this_cpu_runs();
+// Forces a kernel set (tests); returns the previous one. replica::Error where the CPU cannot run it.
+ShmReduceKernels set_shm_reduce_kernels(ShmReduceKernels k);
+// out = (in[0] + ... + in[n-1]) / divisor with the current kernels: contiguous CPU tensors of
+// out's dtype and size, n >= 2 (tests).
+void shm_reduce_for_testing(const torch::Tensor& out, const std::vector<torch::Tensor>& in, float divisor = 1.0f);
 
 }  // namespace replica::distributed

@@ -43,6 +43,7 @@
 extern char** environ;
 
 using replica::distributed::ShmAllreduce;
+using namespace replica::distributed;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
@@ -241,6 +242,41 @@ std::vector<SumCase> all_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(ShmCases, ShmAllreduceSum, testing::ValuesIn(all_cases()), case_name);
+
+// Note [the reduction kernels' instruction sets]: every kernel set this CPU can execute (the
+// portable one on every machine, AVX2 and AVX-512 where present), forced in turn, sums like
+// the float32 left-to-right reference bit for bit, tails included.
+TEST(ShmReduceKernels, EveryKernelThisCpuRunsSumsLikeTheReference) {
+  const auto kernels = shm_reduce_kernels_this_cpu_runs();
+  ASSERT_FALSE(kernels.empty());
+  EXPECT_EQ(kernels.front(), ShmReduceKernels::kPortable);
+  const ShmReduceKernels chosen = shm_reduce_kernels();
+  for (const auto k : kernels) {
+    SCOPED_TRACE(shm_reduce_kernels_name(k));
+    set_shm_reduce_kernels(k);
+    EXPECT_EQ(shm_reduce_kernels(), k);
+    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
+      for (int n : {2, 3, 5}) {
+        for (int64_t size : {1, 7, 2048 + 13, 10000}) {
+          for (float divisor : {1.0f, 3.0f}) {
+            torch::manual_seed(size + n);
+            std::vector<torch::Tensor> in;
+            for (int p = 0; p < n; ++p) in.push_back((torch::randn({size}) * 100).to(dtype));
+            auto out = torch::empty({size}, torch::dtype(dtype));
+            shm_reduce_for_testing(out, in, divisor);
+            const auto wide = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+            auto ref = in[0].to(wide) + in[1].to(wide);
+            for (int p = 2; p < n; ++p) ref += in[p].to(wide);
+            if (divisor != 1.0f) ref = dtype == torch::kDouble ? ref / static_cast<double>(divisor) : ref / divisor;
+            EXPECT_TRUE(torch::equal(out, ref.to(dtype)))
+                << c10::toString(dtype) << " n " << n << " size " << size << " divisor " << divisor;
+          }
+        }
+      }
+    }
+  }
+  set_shm_reduce_kernels(chosen);
+}
 
 TEST(ShmAllreduce, TenMillionElements) {
   for (int world : {2, 3}) {
