@@ -8,6 +8,7 @@
 
 #include "replica/cli/pod_launch.h"
 #include "replica/core/error.h"
+#include "replica/core/json.h"
 #include "replica/models/hf_model_dir.h"
 #include "replica/text/chat_template.h"
 #include "replica/text/tokenizer.h"
@@ -207,7 +208,9 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
   }
   LlmArgs parsed = parse_llm_args(args);
   if (parsed.help || args.empty()) {
-    std::cout << kLlmUsage << "Training (AutoTrain's LLMTrainingParams names and defaults):\n"
+    // A sentence, not a heading: the groups of the key table below are the headings.
+    std::cout << kLlmUsage << "\nEvery params: key of task llm-sft follows, by group, with AutoTrain's "
+                              "LLMTrainingParams names and defaults.\n\n"
               << train::keys_help(train::Task::LlmSft) << kLlmFooter;
     return 0;
   }
@@ -242,12 +245,14 @@ int tokenize_command(const std::string& tokenizer_dir, bool chat, const std::str
   // With --chat every line is a JSON messages list already: --json-lines changes nothing.
   text::ChatRenderer renderer;
   if (chat) {
-    const std::string source = text::chat_template_for(chat_template, tokenizer_dir);
-    if (source.empty()) fail("replica tokenize --chat: chat template '{}' renders nothing; use tokenizer, chatml or llama3", chat_template);
-    auto tmpl = std::make_shared<const text::ChatTemplate>(source);
+    const text::ChatTemplateSource source = text::chat_template_source(chat_template, tokenizer_dir);
+    if (source.text.empty()) fail("replica tokenize --chat: chat template '{}' renders nothing; use tokenizer, chatml or llama3", chat_template);
+    auto tmpl = std::make_shared<const text::ChatTemplate>(source);  // its errors name the template
     auto special = text::chat_special_tokens(tokenizer_dir);
     renderer = [tmpl, special](const std::string& messages_json) {
-      return tmpl->render(nlohmann::ordered_json::parse(messages_json), /*add_generation_prompt=*/false, special);
+      // text::tokenize_command has checked the line (a JSON list, bounded nesting) already.
+      return tmpl->render(parse_ordered_json(messages_json, "replica tokenize --chat: stdin"),
+                          /*add_generation_prompt=*/false, special);
     };
   }
   return text::tokenize_command(tokenizer_dir, chat, std::cin, std::cout, renderer, json_lines && !chat);

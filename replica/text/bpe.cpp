@@ -5,6 +5,7 @@
 #include <queue>
 
 #include "replica/core/error.h"
+#include "replica/core/json.h"
 #include "replica/text/tokenizer_impl.h"
 
 namespace replica::text::detail {
@@ -26,19 +27,17 @@ Bpe::Bpe(const json& model, const Origin& origin) : origin_file_(origin.file) {
   vocab_.reserve(vit->size() * 2);
   int32_t max_id = -1;
   for (const auto& [token, id] : vit->items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX) {
-      origin.fail_field(kind, fmt::format("vocab id of '{}' must be a non-negative integer", token));
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= kMaxTokenId) {
+      origin.fail_field(kind, fmt::format("vocab id of '{}' must be an integer in 0..{}, not {}",
+                                          text_excerpt(token), kMaxTokenId - 1, json_excerpt(id)));
     }
     const auto v = id.get<int32_t>();
     vocab_[token] = v;
     max_id = std::max(max_id, v);
   }
-  vocab_r_.assign(static_cast<size_t>(max_id + 1), std::string());
-  has_id_.assign(static_cast<size_t>(max_id + 1), false);
-  for (const auto& [token, id] : vocab_) {
-    vocab_r_[static_cast<size_t>(id)] = token;
-    has_id_[static_cast<size_t>(id)] = true;
-  }
+  max_id_ = max_id;
+  vocab_r_.reserve(vocab_.size());
+  for (const auto& [token, id] : vocab_) vocab_r_[id] = token;
 
   const auto mit = model.find("merges");
   if (mit != model.end() && !mit->is_null()) {
@@ -51,7 +50,7 @@ Bpe::Bpe(const json& model, const Origin& origin) : origin_file_(origin.file) {
         const auto& s = m.get_ref<const std::string&>();
         const size_t sp = s.find(' ');
         if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
-          origin.fail_field(kind, fmt::format("merge {} '{}' is not two tokens", rank, s));
+          origin.fail_field(kind, fmt::format("merge {} '{}' is not two tokens", rank, text_excerpt(s)));
         }
         a = s.substr(0, sp);
         b = s.substr(sp + 1);
@@ -64,7 +63,7 @@ Bpe::Bpe(const json& model, const Origin& origin) : origin_file_(origin.file) {
       const auto ia = vocab_.find(a), ib = vocab_.find(b), im = vocab_.find(a + b);
       if (ia == vocab_.end() || ib == vocab_.end() || im == vocab_.end()) {
         origin.fail_field(kind, fmt::format("merge {} ('{}' '{}') uses a token outside the vocab",
-                                            rank, a, b));
+                                            rank, text_excerpt(a), text_excerpt(b)));
       }
       // A repeated pair keeps its last rank, as the Rust engine's map does.
       merges_[pair_key(ia->second, ib->second)] = {rank, im->second};
@@ -124,10 +123,8 @@ std::optional<int32_t> Bpe::token_to_id(const std::string& token) const {
 }
 
 const std::string* Bpe::id_to_token(int32_t id) const {
-  if (id < 0 || static_cast<size_t>(id) >= vocab_r_.size() || !has_id_[static_cast<size_t>(id)]) {
-    return nullptr;
-  }
-  return &vocab_r_[static_cast<size_t>(id)];
+  const auto it = vocab_r_.find(id);
+  return it == vocab_r_.end() ? nullptr : &it->second;
 }
 
 void Bpe::tokenize(std::string_view word, std::vector<int32_t>& out) const {

@@ -3,6 +3,8 @@
 #include "replica/text/chat_template.h"
 
 #include "replica/core/files.h"
+#include "replica/core/json.h"
+#include "replica/text/tokenizer.h"
 
 #include <filesystem>
 #include <fstream>
@@ -26,9 +28,63 @@ const char* const kLlama3Template =
     "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
 
-ChatTemplate::ChatTemplate(const std::string& source) : program_(detail::jinja_parse(source)) {}
+namespace {
+
+// Real chat templates are at most tens of KB (Qwen3-Coder's ~6 KB, the largest of the
+// fixtures); parsing holds a few times the source's size in tokens and tree. Far above the
+// real ones, far below what could exhaust memory.
+constexpr size_t kMaxTemplateBytes = size_t{4} << 20;
+nlohmann::json read_config(const std::string& path) {
+  return parse_json(read_file(path, kMaxTokenizerConfigBytes), path);
+}
+
+}  // namespace
+
+ChatTemplate::ChatTemplate(const std::string& source, std::string origin) : origin_(std::move(origin)) {
+  try {
+    if (source.size() > kMaxTemplateBytes) {
+      throw ChatTemplateError(ChatTemplateError::Kind::Syntax,
+                              "chat template is " + std::to_string(source.size()) + " bytes, more than the " +
+                                  std::to_string(kMaxTemplateBytes >> 20) + " MiB a chat template may have");
+    }
+    program_ = detail::jinja_parse(source);
+  } catch (const ChatTemplateError& e) {
+    rethrow_located(e);
+  }
+}
+
+ChatTemplate::ChatTemplate(const ChatTemplateSource& source) : ChatTemplate(source.text, source.origin) {}
+
+void ChatTemplate::rethrow_located(const ChatTemplateError& e) const {
+  if (origin_.empty()) throw e;
+  // A syntax error's message names its line already.
+  std::string where = origin_;
+  if (e.kind() != ChatTemplateError::Kind::Syntax && e.line() > 0) where += ": line " + std::to_string(e.line());
+  throw ChatTemplateError(e.kind(), where + ": " + e.what(), e.line());
+}
 
 namespace {
+
+// Inputs nested deeper than this are refused before they are copied or converted (both
+// recurse): JSON read through parse_json is at most kMaxJsonDepth deep, and the context
+// wraps it one level more.
+constexpr int kMaxInputDepth = kMaxJsonDepth + 2;
+
+template <typename Json>
+void check_input_depth(const Json& root, const char* what) {
+  std::vector<std::pair<const Json*, int>> todo{{&root, 1}};
+  while (!todo.empty()) {
+    auto [j, depth] = todo.back();
+    todo.pop_back();
+    if (!j->is_structured()) continue;
+    if (depth > kMaxInputDepth) {
+      throw ChatTemplateError(ChatTemplateError::Kind::Type,
+                              std::string("chat template: ") + what + " nested more than " +
+                                  std::to_string(kMaxInputDepth) + " levels deep");
+    }
+    for (const auto& x : *j) todo.emplace_back(&x, depth + 1);
+  }
+}
 
 nlohmann::ordered_json chat_context(nlohmann::ordered_json messages, bool add_generation_prompt,
                                     const nlohmann::ordered_json& extra) {
@@ -53,6 +109,12 @@ nlohmann::ordered_json chat_context(nlohmann::ordered_json messages, bool add_ge
 
 std::string ChatTemplate::render(const nlohmann::json& messages, bool add_generation_prompt,
                                  const nlohmann::json& extra_context) const {
+  try {
+    check_input_depth(messages, "messages");
+    check_input_depth(extra_context, "extra context");
+  } catch (const ChatTemplateError& e) {
+    rethrow_located(e);
+  }
   return render(nlohmann::ordered_json(messages), add_generation_prompt,
                 nlohmann::ordered_json(extra_context));
 }
@@ -60,11 +122,22 @@ std::string ChatTemplate::render(const nlohmann::json& messages, bool add_genera
 std::string ChatTemplate::render(const nlohmann::ordered_json& messages,
                                  bool add_generation_prompt,
                                  const nlohmann::ordered_json& extra_context) const {
-  return detail::jinja_render(*program_, chat_context(messages, add_generation_prompt, extra_context));
+  try {
+    check_input_depth(messages, "messages");
+    check_input_depth(extra_context, "extra context");
+    return detail::jinja_render(*program_, chat_context(messages, add_generation_prompt, extra_context));
+  } catch (const ChatTemplateError& e) {
+    rethrow_located(e);
+  }
 }
 
 std::string ChatTemplate::render_context(const nlohmann::ordered_json& context) const {
-  return detail::jinja_render(*program_, context);
+  try {
+    check_input_depth(context, "context");
+    return detail::jinja_render(*program_, context);
+  } catch (const ChatTemplateError& e) {
+    rethrow_located(e);
+  }
 }
 
 std::string render_chat(const std::string& template_source, const nlohmann::json& messages,
@@ -80,29 +153,31 @@ std::string render_chat(const std::string& template_source,
 
 namespace {
 
-std::string template_from_config(const fs::path& config_path) {
+ChatTemplateSource template_from_config(const fs::path& config_path) {
   fs::path dir = config_path.parent_path();
   // Newer transformers save the template as chat_template.jinja, which wins on loading.
+  // Whatever exists under that name is read (read_file refuses a FIFO or a directory with
+  // its name) rather than skipped.
   fs::path jinja = dir / "chat_template.jinja";
-  if (!dir.empty() && fs::is_regular_file(jinja)) return read_file(jinja.string());
-  if (!fs::is_regular_file(config_path)) {
+  std::error_code ec;
+  if (!dir.empty() && (fs::exists(jinja, ec) || fs::is_symlink(jinja, ec))) {
+    return {read_file(jinja.string(), kMaxTemplateBytes), jinja.string()};
+  }
+  if (!fs::exists(config_path, ec)) {
     fail("chat_template: tokenizer: {} not found (set chat_template to chatml, llama3 or none, "
          "or point the model path at a directory with tokenizer_config.json)",
          config_path.string());
   }
-  nlohmann::json cfg;
-  try {
-    cfg = nlohmann::json::parse(read_file(config_path.string()));
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: not valid JSON: {}", config_path.string(), e.what());
-  }
+  const nlohmann::json cfg = read_config(config_path.string());
+  if (!cfg.is_object()) fail("{}: must be a JSON object, not {}", config_path.string(), cfg.type_name());
+  const std::string origin = config_path.string() + ": chat_template";
   auto it = cfg.find("chat_template");
   if (it == cfg.end() || it->is_null()) {
     fail("chat_template: tokenizer: {} has no chat_template (set chat_template to chatml, "
          "llama3 or none)",
          config_path.string());
   }
-  if (it->is_string()) return it->get<std::string>();
+  if (it->is_string()) return {it->get<std::string>(), origin};
   if (it->is_array()) {
     // [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
     std::vector<std::string> names;
@@ -110,7 +185,7 @@ std::string template_from_config(const fs::path& config_path) {
       if (!entry.is_object() || !entry.contains("name") || !entry.contains("template")) continue;
       names.push_back(entry["name"].is_string() ? entry["name"].get<std::string>() : "?");
       if (entry["name"] == "default" && entry["template"].is_string()) {
-        return entry["template"].get<std::string>();
+        return {entry["template"].get<std::string>(), origin + " \"default\""};
       }
     }
     std::string list;
@@ -133,14 +208,6 @@ std::optional<std::string> token_string(const nlohmann::json& v) {
   return std::nullopt;
 }
 
-nlohmann::json read_json_file(const fs::path& p) {
-  try {
-    return nlohmann::json::parse(read_file(p.string()));
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: not valid JSON: {}", p.string(), e.what());
-  }
-}
-
 }  // namespace
 
 nlohmann::ordered_json chat_special_tokens(const std::string& tokenizer_config_json_path) {
@@ -149,9 +216,12 @@ nlohmann::ordered_json chat_special_tokens(const std::string& tokenizer_config_j
   static const char* const kNames[] = {"bos_token", "eos_token", "unk_token", "sep_token",
                                        "pad_token", "cls_token", "mask_token"};
   std::vector<nlohmann::json> sources;
-  if (fs::is_regular_file(cfg_path)) sources.push_back(read_json_file(cfg_path));
+  // Whatever exists under these names is read: read_json_file refuses what is not a regular
+  // file (a FIFO would block) instead of passing over it.
+  std::error_code ec;
+  if (fs::exists(cfg_path, ec)) sources.push_back(read_config(cfg_path.string()));
   fs::path map_path = cfg_path.parent_path() / "special_tokens_map.json";
-  if (fs::is_regular_file(map_path)) sources.push_back(read_json_file(map_path));
+  if (fs::exists(map_path, ec)) sources.push_back(read_config(map_path.string()));
   nlohmann::ordered_json out = nlohmann::ordered_json::object();
   for (const char* name : kNames) {
     for (const auto& src : sources) {
@@ -178,9 +248,14 @@ nlohmann::ordered_json chat_special_tokens(const std::string& tokenizer_config_j
 }
 
 std::string chat_template_for(const std::string& mode, const std::string& tokenizer_config_json_path) {
-  if (mode == "chatml") return kChatmlTemplate;
-  if (mode == "llama3") return kLlama3Template;
-  if (mode == "none") return "";
+  return chat_template_source(mode, tokenizer_config_json_path).text;
+}
+
+ChatTemplateSource chat_template_source(const std::string& mode,
+                                        const std::string& tokenizer_config_json_path) {
+  if (mode == "chatml") return {kChatmlTemplate, "chat_template chatml (built in)"};
+  if (mode == "llama3") return {kLlama3Template, "chat_template llama3 (built in)"};
+  if (mode == "none") return {"", "chat_template none"};
   if (mode == "tokenizer") {
     fs::path p = tokenizer_config_json_path;
     if (fs::is_directory(p)) p /= "tokenizer_config.json";

@@ -59,12 +59,15 @@ class ChatTemplateError : public replica::Error {
     Security,   // the sandbox refused an attribute (SecurityError)
     Runtime,    // any other TemplateRuntimeError
   };
-  ChatTemplateError(Kind kind, const std::string& message)
-      : replica::Error(message), kind_(kind) {}
+  ChatTemplateError(Kind kind, const std::string& message, int line = 0)
+      : replica::Error(message), kind_(kind), line_(line) {}
   Kind kind() const { return kind_; }
+  // The template line where it arose; 0 when not known (e.g. while reading the input).
+  int line() const { return line_; }
 
  private:
   Kind kind_;
+  int line_;
 };
 
 namespace detail {
@@ -73,12 +76,27 @@ std::shared_ptr<const JinjaProgram> jinja_parse(const std::string& source);
 std::string jinja_render(const JinjaProgram& program, const nlohmann::ordered_json& context);
 }  // namespace detail
 
+// A template's text and where it came from, for messages: "<dir>/chat_template.jinja",
+// "<dir>/tokenizer_config.json: chat_template", "chat_template chatml (built in)".
+struct ChatTemplateSource {
+  std::string text;
+  std::string origin;
+};
+
 // A parsed template; parse once, render many conversations. Copies share the parsed form;
 // rendering does not modify it, so several threads may render with one ChatTemplate.
+//
+// Hostile templates (a model's template is whatever its publisher wrote) are bounded: nesting
+// while parsing and rendering, the work and memory of one render (a budget of steps and
+// bytes far above what real chat templates use); see Note [bounded templates] in
+// jinja/jinja.h. Each bound is a ChatTemplateError, never a crash or a hang.
 class ChatTemplate {
  public:
-  // Parses `source`; ChatTemplateError(Kind::Syntax) when it does not parse.
-  explicit ChatTemplate(const std::string& source);
+  // Parses `source`; ChatTemplateError(Kind::Syntax) when it does not parse. With an
+  // `origin`, every error of parsing and rendering starts with it and names the template line
+  // ("ORIGIN: line N: MESSAGE"); without one, messages are exactly Jinja2's.
+  explicit ChatTemplate(const std::string& source, std::string origin = "");
+  explicit ChatTemplate(const ChatTemplateSource& source);
 
   // Renders with the variables transformers passes: messages, add_generation_prompt,
   // tools (None unless given), documents (None unless given), then every key of
@@ -95,8 +113,12 @@ class ChatTemplate {
   // Renders with exactly the variables of `context` (a JSON object), nothing added.
   std::string render_context(const nlohmann::ordered_json& context) const;
 
+  const std::string& origin() const { return origin_; }
+
  private:
+  [[noreturn]] void rethrow_located(const ChatTemplateError& e) const;
   std::shared_ptr<const detail::JinjaProgram> program_;
+  std::string origin_;
 };
 
 // One-shot form of ChatTemplate(template_source).render(...).
@@ -128,6 +150,9 @@ extern const char* const kLlama3Template;
 // is read only for `tokenizer`. replica::Error naming the file when it is missing or holds no
 // template, or naming the mode (with the valid ones) when the mode is unknown.
 std::string chat_template_for(const std::string& mode, const std::string& tokenizer_config_json_path);
+// The same with where the template came from (for ChatTemplate's messages).
+ChatTemplateSource chat_template_source(const std::string& mode,
+                                        const std::string& tokenizer_config_json_path);
 
 // The special-token variables transformers passes to the template (the tokenizer's
 // special_tokens_map): bos_token, eos_token, unk_token, sep_token, pad_token, cls_token,

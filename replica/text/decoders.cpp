@@ -245,7 +245,7 @@ class TemplatePostProcessor : public PostProcessor {
         const std::string id = origin.str(piece["SpecialToken"], "id", kind);
         const auto it = specials.find(id);
         if (it == specials.end()) {
-          origin.fail_field(kind, fmt::format("special token '{}' is not in special_tokens", id));
+          origin.fail_field(kind, fmt::format("special token '{}' is not in special_tokens", text_excerpt(id)));
         }
         if (first && !it->second.empty()) first_special_ = it->second.front();
         Part part;

@@ -7,7 +7,7 @@ namespace replica::text::detail {
 using nlohmann::json;
 
 void Origin::fail_component(const std::string& kind, const std::string& type) const {
-  fail("tokenizer.json '{}': unsupported {} type '{}'", file, kind, type);
+  fail("tokenizer.json '{}': unsupported {} type '{}'", file, kind, text_excerpt(type));
 }
 
 void Origin::fail_field(const std::string& kind, const std::string& what) const {

@@ -64,7 +64,7 @@ SplitBehavior parse_behavior(const std::string& name, const Origin& origin,
   if (name == "MergedWithPrevious") return SplitBehavior::MergedWithPrevious;
   if (name == "MergedWithNext") return SplitBehavior::MergedWithNext;
   if (name == "Contiguous") return SplitBehavior::Contiguous;
-  origin.fail_field(kind, fmt::format("unknown behavior '{}'", name));
+  origin.fail_field(kind, fmt::format("unknown behavior '{}'", text_excerpt(name)));
 }
 
 class SequencePreTokenizer : public PreTokenizer {
@@ -115,7 +115,8 @@ class ByteLevelPreTokenizer : public PreTokenizer {
   ByteLevelPreTokenizer(const json& j, const Origin& origin) {
     add_prefix_space_ = origin.boolean(j, "add_prefix_space", "pre_tokenizer ByteLevel", true);
     if (origin.boolean(j, "use_regex", "pre_tokenizer ByteLevel", true)) {
-      regex_ = std::make_unique<Regex>(kGpt2Pattern, "pre_tokenizer ByteLevel");
+      regex_ = std::make_unique<Regex>(
+          kGpt2Pattern, fmt::format("tokenizer.json '{}': pre_tokenizer ByteLevel", origin.file));
     }
   }
   void pre_tokenize(std::vector<Piece>& pieces) const override {
@@ -163,7 +164,7 @@ class MetaspacePreTokenizer : public PreTokenizer {
       } else if (s == "never") {
         scheme = Prepend::Never;
       } else {
-        origin.fail_field(kind, fmt::format("unknown prepend_scheme '{}'", s));
+        origin.fail_field(kind, fmt::format("unknown prepend_scheme '{}'", text_excerpt(s)));
       }
     }
     // Files written before prepend_scheme existed say add_prefix_space.

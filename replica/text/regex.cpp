@@ -208,7 +208,8 @@ std::string escape_regex(const std::string& literal) {
   return out;
 }
 
-Regex::Regex(const std::string& onig_pattern, const std::string& where) {
+Regex::Regex(const std::string& onig_pattern, const std::string& where)
+    : where_(where + ": regex /" + text_excerpt(onig_pattern, 60) + "/") {
   const std::string pattern = translate_onig_pattern(onig_pattern);
   int error = 0;
   PCRE2_SIZE offset = 0;
@@ -217,8 +218,7 @@ Regex::Regex(const std::string& onig_pattern, const std::string& where) {
   if (code == nullptr) {
     PCRE2_UCHAR message[256];
     pcre2_get_error_message(error, message, sizeof(message));
-    fail("{}: regex /{}/ does not compile at offset {}: {}", where, onig_pattern, offset,
-         reinterpret_cast<const char*>(message));
+    fail("{} does not compile at offset {}: {}", where_, offset, reinterpret_cast<const char*>(message));
   }
   pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter if JIT fails
   code_ = code;
@@ -262,9 +262,12 @@ std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view s) const
                                mc.context);
     if (rc == PCRE2_ERROR_NOMATCH) break;
     if (rc < 0) {
+      // PCRE2's match limit (10**7 backtracking steps per match) or its JIT stack ends a
+      // pattern that backtracks catastrophically: the file and pattern are at fault.
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(rc, message, sizeof(message));
-      fail("regex match failed: {}", reinterpret_cast<const char*>(message));
+      fail("{} failed on a {}-byte piece of text: {} (the pattern backtracks too much to be usable)", where_,
+           s.size(), reinterpret_cast<const char*>(message));
     }
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
     const size_t b = ov[0], e = ov[1];

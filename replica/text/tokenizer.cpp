@@ -9,7 +9,11 @@
 #include <sstream>
 #include <unordered_set>
 
+#include <spdlog/spdlog.h>
+
 #include "replica/core/error.h"
+#include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/text/tokenizer_impl.h"
 
 namespace replica::text {
@@ -94,18 +98,6 @@ char32_t last_cp(std::string_view s) {
   return next_cp(s, start);
 }
 
-json read_json_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot read {} '{}'", what, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::exception& e) {
-    fail("{} '{}' is not valid JSON: {}", what, path, e.what());
-  }
-}
-
 // tokenizer_config.json token fields are a string, null, or {"content": ...}.
 std::optional<std::string> config_token(const json& config, const char* key,
                                         const std::string& path) {
@@ -115,7 +107,7 @@ std::optional<std::string> config_token(const json& config, const char* key,
   if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
     return (*it)["content"].get<std::string>();
   }
-  fail("tokenizer_config.json '{}': \"{}\" must be a token string", path, key);
+  fail("tokenizer_config.json '{}': \"{}\" must be a token string, not {}", path, key, json_excerpt(*it));
 }
 
 std::optional<bool> config_bool(const json& config, const char* key, const std::string& path) {
@@ -237,7 +229,10 @@ void Tokenizer::Impl::load_json(const json& j) {
       AddedToken tok;
       tok.content = origin.str(t, "content", kind);
       const int64_t id = origin.integer(t, "id", kind);
-      if (id < 0 || id > INT32_MAX) origin.fail_field(kind, fmt::format("bad id {}", id));
+      if (id < 0 || id >= kMaxTokenId) {
+        origin.fail_field(kind, fmt::format("bad id {} for '{}' (ids are 0..{})", id, text_excerpt(tok.content),
+                                            kMaxTokenId - 1));
+      }
       // Ids as the Rust engine gives them (it reads the file's "id" only to warn when they
       // differ): a token already known keeps its id, a new one gets the next free id.
       if (const auto known = added_by_content.find(tok.content); known != added_by_content.end()) {
@@ -259,6 +254,15 @@ void Tokenizer::Impl::load_json(const json& j) {
       tok.lstrip = origin.boolean(t, "lstrip", kind, false);
       tok.rstrip = origin.boolean(t, "rstrip", kind, false);
       tok.normalized = origin.boolean(t, "normalized", kind, !tok.special);
+      if (tok.id != id) {
+        // The Rust engine warns the same way ("Token '…' was expected to have ID '…' but was
+        // given ID '…'"): a file whose ids disagree with its vocabulary is a broken file, and
+        // the model's embedding rows no longer match what the file says.
+        spdlog::warn("{}: added token '{}' has id {} in the file but gets id {} (a token in the "
+                     "vocabulary keeps its id there, a new one takes the next free id, as in the "
+                     "tokenizers library)",
+                     source, text_excerpt(tok.content), id, tok.id);
+      }
       add_token(std::move(tok));
     }
   }
@@ -295,11 +299,18 @@ void Tokenizer::Impl::apply_config(const json& config, const std::string& path) 
     // Added tokens beyond the model (e.g. chat markers), with their flags.
     if (const auto it = config.find("added_tokens_decoder"); it != config.end() && it->is_object()) {
       for (const auto& [key, t] : it->items()) {
-        int32_t id = 0;
+        int64_t id = -1;
         try {
-          id = std::stoi(key);
+          size_t used = 0;
+          id = std::stoll(key, &used);
+          if (used != key.size()) id = -1;
         } catch (const std::exception&) {
-          fail("tokenizer_config.json '{}': added_tokens_decoder key '{}' is not an id", path, key);
+        }
+        // Ids beyond the model stretch the vocabulary (vocab_size is the largest id + 1); the
+        // bound keeps that an int32 and below any embedding a model could have.
+        if (id < 0 || id >= kMaxTokenId) {
+          fail("tokenizer_config.json '{}': added_tokens_decoder key '{}' is not an id (0..{})", path,
+               text_excerpt(key), kMaxTokenId - 1);
         }
         if (!t.is_object() || !t.contains("content") || !t["content"].is_string()) {
           fail("tokenizer_config.json '{}': added_tokens_decoder '{}' needs \"content\"", path, key);
@@ -307,14 +318,19 @@ void Tokenizer::Impl::apply_config(const json& config, const std::string& path) 
         if (added_by_id.count(id)) continue;
         AddedToken tok;
         tok.content = t["content"].get<std::string>();
-        tok.id = id;
-        tok.special = t.value("special", false);
-        tok.single_word = t.value("single_word", false);
-        tok.lstrip = t.value("lstrip", false);
-        tok.rstrip = t.value("rstrip", false);
+        tok.id = static_cast<int32_t>(id);
+        // (nlohmann's value() would throw its own type_error for a non-boolean flag)
+        auto flag = [&](const char* name) {
+          const auto v = config_bool(t, name, path);
+          return v && *v;
+        };
+        tok.special = flag("special");
+        tok.single_word = flag("single_word");
+        tok.lstrip = flag("lstrip");
+        tok.rstrip = flag("rstrip");
         tok.normalized = false;
         add_token(std::move(tok));
-        vocab_size = std::max(vocab_size, id + 1);
+        vocab_size = std::max(vocab_size, static_cast<int32_t>(id) + 1);
       }
     }
     raw_matcher = Matcher();
@@ -331,7 +347,7 @@ void Tokenizer::Impl::apply_config(const json& config, const std::string& path) 
       return;
     }
     const auto id = token_to_id(*token);
-    if (!id) fail("tokenizer_config.json '{}': {} '{}' is not in the vocabulary", path, key, *token);
+    if (!id) fail("tokenizer_config.json '{}': {} '{}' is not in the vocabulary", path, key, text_excerpt(*token));
     slot = id;
   };
   lookup("bos_token", bos);
@@ -522,12 +538,7 @@ std::string Tokenizer::Impl::decode(const std::vector<int32_t>& ids, bool skip_s
 // ---- Tokenizer ----
 
 Tokenizer Tokenizer::from_json_string(const std::string& text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    fail("tokenizer.json '{}' is not valid JSON: {}", origin, e.what());
-  }
+  const json j = parse_json(text, "tokenizer.json '" + origin + "'");
   auto impl = std::make_shared<Impl>();
   impl->source = origin;
   impl->load_json(j);
@@ -535,7 +546,7 @@ Tokenizer Tokenizer::from_json_string(const std::string& text, const std::string
 }
 
 Tokenizer Tokenizer::from_json_file(const std::string& path) {
-  const json j = read_json_file(path, "tokenizer.json");
+  const json j = replica::read_json_file(path);
   auto impl = std::make_shared<Impl>();
   impl->source = path;
   impl->load_json(j);
@@ -543,7 +554,9 @@ Tokenizer Tokenizer::from_json_file(const std::string& path) {
 }
 
 Tokenizer Tokenizer::from_sentencepiece_file(const std::string& path) {
-  if (!fs::is_regular_file(path)) fail("tokenizer.model '{}' does not exist", path);
+  std::error_code ec;
+  if (!fs::exists(path, ec)) fail("tokenizer.model '{}' does not exist", path);
+  require_regular_file(path);  // libsentencepiece opens it itself: a FIFO would block it
   auto impl = std::make_shared<Impl>();
   impl->source = path;
   impl->load_sentencepiece(path);
@@ -557,18 +570,22 @@ Tokenizer Tokenizer::from_dir(const std::string& dir) {
   const std::string model_path = (fs::path(dir) / "tokenizer.model").string();
   const std::string config_path = (fs::path(dir) / "tokenizer_config.json").string();
   auto impl = std::make_shared<Impl>();
-  if (fs::is_regular_file(json_path)) {
+  // Whatever exists under these names is read, and refused unless it is a regular file (a
+  // FIFO named tokenizer.json would block the reader; passing over it would hide it).
+  std::error_code ec;
+  if (fs::exists(json_path, ec)) {
     impl->source = json_path;
-    impl->load_json(read_json_file(json_path, "tokenizer.json"));
-  } else if (fs::is_regular_file(model_path)) {
+    impl->load_json(replica::read_json_file(json_path));
+  } else if (fs::exists(model_path, ec)) {
+    require_regular_file(model_path);
     impl->source = model_path;
     impl->load_sentencepiece(model_path);
     impl->build_matchers();
   } else {
     fail("tokenizer directory '{}' has neither tokenizer.json nor tokenizer.model", dir);
   }
-  if (fs::is_regular_file(config_path)) {
-    impl->apply_config(read_json_file(config_path, "tokenizer_config.json"), config_path);
+  if (fs::exists(config_path, ec)) {
+    impl->apply_config(parse_json(read_file(config_path, kMaxTokenizerConfigBytes), config_path), config_path);
   }
   return Tokenizer(std::move(impl));
 }
@@ -657,12 +674,7 @@ int tokenize_command(const std::string& tokenizer_dir, bool chat, std::istream& 
     if (!line.empty() && line.back() == '\r') line.pop_back();
     std::vector<int32_t> ids;
     if (chat) {
-      json messages;
-      try {
-        messages = json::parse(line);
-      } catch (const json::exception& e) {
-        fail("replica tokenize --chat: stdin line {} is not JSON: {}", line_no, e.what());
-      }
+      const json messages = parse_json(line, fmt::format("replica tokenize --chat: stdin line {}", line_no));
       if (!messages.is_array()) {
         fail("replica tokenize --chat: stdin line {} must be a JSON list of messages", line_no);
       }

@@ -48,6 +48,11 @@
 
 namespace replica::text {
 
+// The most bytes read from tokenizer_config.json or special_tokens_map.json (real ones are at
+// most a few MB, with a large added_tokens_decoder); tokenizer.json may have core/files.h's
+// default (the largest real ones are ~35 MB).
+inline constexpr uint64_t kMaxTokenizerConfigBytes = uint64_t{64} << 20;
+
 class Tokenizer {
  public:
   // `dir` holds tokenizer.json (preferred) or tokenizer.model; tokenizer_config.json, when

@@ -32,6 +32,12 @@ void append_utf8(std::string& out, char32_t cp);
 // String::from_utf8_lossy (one U+FFFD per maximal invalid subpart).
 std::string utf8_lossy(std::string_view s);
 bool is_valid_utf8(std::string_view s);
+// At most `max_bytes` of `s` (cut at a character boundary), "..." after a cut: a token or a
+// pattern in a message, never the whole of one.
+std::string text_excerpt(std::string_view s, size_t max_bytes = 40);
+
+// Token ids are int32 and the vocabulary's size is the largest id + 1.
+inline constexpr int64_t kMaxTokenId = INT32_MAX;
 
 bool is_white_space(char32_t cp);  // Unicode White_Space (Rust char::is_whitespace, \s)
 bool is_word_char(char32_t cp);    // Rust regex \w
@@ -48,7 +54,9 @@ std::string lowercase(const std::string& s);
 
 class Regex {
  public:
-  // `where` names the pattern's origin for errors (e.g. "tokenizer.json 'x': pre_tokenizer").
+  // `where` names the pattern's origin for errors (e.g. "tokenizer.json 'x': pre_tokenizer
+  // Split"); every error (compiling, and matching: PCRE2's match limit on a pattern that
+  // backtracks catastrophically) names it and an excerpt of the pattern.
   Regex(const std::string& onig_pattern, const std::string& where);
   ~Regex();
   Regex(const Regex&) = delete;
@@ -58,6 +66,7 @@ class Regex {
 
  private:
   void* code_ = nullptr;  // pcre2_code_8*
+  std::string where_;     // "<where>: regex /<pattern excerpt>/"
 };
 // The PCRE2 pattern an Oniguruma pattern becomes (exposed for tests).
 std::string translate_onig_pattern(const std::string& pattern);
@@ -182,7 +191,7 @@ class Bpe {
   void tokenize(std::string_view word, std::vector<int32_t>& out) const;
   std::optional<int32_t> token_to_id(const std::string& token) const;
   const std::string* id_to_token(int32_t id) const;
-  int32_t max_id() const { return static_cast<int32_t>(vocab_r_.size()) - 1; }
+  int32_t max_id() const { return max_id_; }
   size_t vocab_count() const { return vocab_.size(); }
 
  private:
@@ -194,8 +203,10 @@ class Bpe {
   void merge_word(std::string_view word, std::vector<int32_t>& out) const;
 
   std::unordered_map<std::string, int32_t> vocab_;
-  std::vector<std::string> vocab_r_;  // by id ("" for gaps)
-  std::vector<bool> has_id_;
+  // id -> token: a map, not a vector by id, so that a file with one id of 2,000,000,000
+  // costs one entry (the Rust engine's is a HashMap too).
+  std::unordered_map<int32_t, std::string> vocab_r_;
+  int32_t max_id_ = -1;
   // (left id << 32 | right id) -> (rank, merged id)
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges_;
   std::optional<int32_t> unk_id_;

@@ -81,6 +81,13 @@ size_t valid_seq(std::string_view s, size_t i, size_t& consumed) {
 
 }  // namespace
 
+std::string text_excerpt(std::string_view s, size_t max_bytes) {
+  if (s.size() <= max_bytes) return std::string(s);
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
+  return std::string(s.substr(0, cut)) + "...";
+}
+
 bool is_valid_utf8(std::string_view s) {
   size_t i = 0, consumed;
   while (i < s.size()) {

@@ -130,8 +130,8 @@ SftEncoder::SftEncoder(text::Tokenizer tokenizer, std::string template_source, o
 
 const text::ChatTemplate& SftEncoder::chat_template(const std::string& where) const {
   if (!template_loaded_) {
-    const std::string source = text::chat_template_for(options_.chat_template, model_dir_);
-    if (!source.empty()) template_ = std::make_shared<const text::ChatTemplate>(source);
+    const text::ChatTemplateSource source = text::chat_template_source(options_.chat_template, model_dir_);
+    if (!source.text.empty()) template_ = std::make_shared<const text::ChatTemplate>(source);
     template_loaded_ = true;
   }
   if (!template_) {
@@ -234,7 +234,8 @@ std::vector<std::pair<std::string, bool>> SftEncoder::chat_segments(const json& 
     auto [answer_segments, answer_error] = cut(last_user + 1);
     if (answer_error.empty()) {
       static std::once_flag warned;
-      std::call_once(warned, [&] {
+      // A structured binding cannot be captured in C++17 (clang refuses it): the lambda takes a copy.
+      std::call_once(warned, [&, error = error] {
         spdlog::warn("{}: the chat template renders earlier assistant turns differently once a later user "
                      "message follows (as Qwen3's drops their reasoning), so only the assistant turns after "
                      "the last user message are trained; earlier ones are context ({})",

@@ -155,9 +155,17 @@ Value min_max(const Value& seq, CallArgs& a, bool want_max, const char* fname) {
 }
 
 std::string do_indent(const std::string& s_in, const Value& width, bool first, bool blank) {
-  std::string indention = width.k == VK::Str ? width.s : std::string(static_cast<size_t>(std::max<int64_t>(0, need_int(width, "width"))), ' ');
+  std::string indention;
+  if (width.k == VK::Str) {
+    indention = width.s;
+  } else {
+    const int64_t n = std::max<int64_t>(0, need_int(width, "width"));
+    charge_bytes(static_cast<uint64_t>(n));  // Note [bounded templates]
+    indention.assign(static_cast<size_t>(n), ' ');
+  }
   std::string s = s_in + "\n";
   std::vector<std::string> lines = py_splitlines(s, false);
+  charge_bytes(lines.size() + 1, indention.size());
   std::string rv;
   if (blank) {
     for (size_t k = 0; k < lines.size(); ++k) {
@@ -323,6 +331,7 @@ const std::unordered_map<std::string, FilterFn>& filters() {
         if (st->tmp.empty()) return std::nullopt;
         if (fill.k != VK::None) {
           int64_t n = need_int(linecount, "linecount");
+          if (n > static_cast<int64_t>(st->tmp.size())) charge_steps(static_cast<uint64_t>(n) - st->tmp.size());
           while (static_cast<int64_t>(st->tmp.size()) < n) st->tmp.push_back(fill);
         }
         return make_list(std::move(st->tmp));
@@ -454,7 +463,10 @@ const std::unordered_map<std::string, FilterFn>& filters() {
       std::string out;
       bool first = true;
       for (const Value& x : iterate(v)) {
-        if (!first) out += sep;
+        if (!first) {
+          charge_bytes(sep.size());  // a long separator between many items
+          out += sep;
+        }
         first = false;
         out += soft_str(parts.empty() ? x : get_attribute(x, parts));
       }
@@ -616,8 +628,9 @@ const std::unordered_map<std::string, FilterFn>& filters() {
         if (p[1].k == VK::Str) {
           o.indent = p[1].s;
         } else {
-          int64_t n = need_int(p[1], "indent");
-          o.indent = std::string(static_cast<size_t>(std::max<int64_t>(0, n)), ' ');
+          int64_t n = std::max<int64_t>(0, need_int(p[1], "indent"));
+          charge_bytes(static_cast<uint64_t>(n));  // Note [bounded templates]
+          o.indent = std::string(static_cast<size_t>(n), ' ');
         }
         o.item_sep = ",";
       }

@@ -40,16 +40,16 @@ Value loop_attr(const Value& obj, const std::string& name) {
   if (name == "nextitem") {
     return idx + 1 < len ? L.items[static_cast<size_t>(idx + 1)] : make_undefined("there is no next item");
   }
+  // The methods hold the loop as a Value (Note [bounded templates]: released iteratively).
   if (name == "cycle") {
-    std::shared_ptr<LoopState> st = obj.loop;
-    return make_func("cycle", [st](Interp&, CallArgs& a) -> Value {
+    return make_func("cycle", [obj](Interp&, CallArgs& a) -> Value {
       if (a.pos.empty()) type_error("no items for cycling given");
-      return a.pos[st->index % a.pos.size()];
+      return a.pos[obj.loop->index % a.pos.size()];
     }, "method");
   }
   if (name == "changed") {
-    std::shared_ptr<LoopState> st = obj.loop;
-    return make_func("changed", [st](Interp&, CallArgs& a) -> Value {
+    return make_func("changed", [obj](Interp&, CallArgs& a) -> Value {
+      LoopState* st = obj.loop.get();
       bool same = st->has_last_changed && st->last_changed.size() == a.pos.size();
       for (size_t k = 0; same && k < a.pos.size(); ++k) same = py_eq(st->last_changed[k], a.pos[k]);
       if (same) return make_bool(false);
@@ -273,11 +273,15 @@ double float_floordiv(double vx, double wx) {
 }
 
 Value repeat(const Value& seq, int64_t n) {
+  // Note [bounded templates]: 'x' * 10**12 is charged before anything is allocated.
+  const uint64_t times = n > 0 ? static_cast<uint64_t>(n) : 0;
   if (seq.k == VK::Str) {
+    charge_bytes(times, seq.s.size());
     std::string out;
     for (int64_t k = 0; k < n; ++k) out += seq.s;
     return make_str(out);
   }
+  charge_items(times, seq.list->items);
   std::vector<Value> out;
   for (int64_t k = 0; k < n; ++k) out.insert(out.end(), seq.list->items.begin(), seq.list->items.end());
   return make_list(std::move(out), seq.list->tuple);
@@ -477,6 +481,9 @@ CallArgs Interp::eval_args(const Expr& e, size_t first, const ScopeP& sc) {
 }
 
 Value Interp::eval(const Expr& e, const ScopeP& sc) {
+  RecursionGuard guard;
+  charge_steps(1);
+  line_ = e.line;
   switch (e.k) {
     case EK::Const: return e.val;
     case EK::Name: {
@@ -706,11 +713,22 @@ Value Interp::call_macro(const Stmt& m, const ScopeP& def_scope, CallArgs& a) {
 }
 
 Interp::Flow Interp::exec(const Body& body, const ScopeP& sc, std::string& out) {
+  RecursionGuard guard;
   for (const auto& sp : body) {
     const Stmt& s = *sp;
+    charge_steps(1);
+    line_ = s.line;
     switch (s.k) {
-      case SK::Data: out += s.text; break;
-      case SK::Print: out += py_str(eval(*s.expr, sc)); break;
+      case SK::Data:
+        charge_bytes(s.text.size());
+        out += s.text;
+        break;
+      case SK::Print: {
+        std::string text = py_str(eval(*s.expr, sc));
+        charge_bytes(text.size());
+        out += text;
+        break;
+      }
       case SK::If: {
         Flow f = truthy(eval(*s.expr, sc)) ? exec(s.body, sc, out) : exec(s.orelse, sc, out);
         if (f != Flow::Normal) return f;
@@ -775,6 +793,7 @@ void Interp::exec_for(const Stmt& s, const ScopeP& sc, std::string& out) {
   if (s.cond) {
     std::vector<Value> kept;
     for (auto& item : items) {
+      charge_steps(1);
       auto probe = std::make_shared<Scope>(sc);
       assign(s.target, item, probe);
       if (truthy(eval(*s.cond, probe))) kept.push_back(std::move(item));
@@ -791,6 +810,8 @@ void Interp::exec_for(const Stmt& s, const ScopeP& sc, std::string& out) {
   loop.loop->items = std::move(items);
   const size_t n = loop.loop->items.size();
   for (size_t k = 0; k < n; ++k) {
+    charge_steps(1);  // an empty body still costs its iterations
+    line_ = s.line;
     loop.loop->index = k;
     auto it = new_frame(sc, s.frame_undefined);
     assign(s.target, loop.loop->items[k], it);

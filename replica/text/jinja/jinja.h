@@ -61,6 +61,81 @@ using EKind = ChatTemplateError::Kind;
 [[noreturn]] void raise_error(EKind kind, const std::string& message);
 [[noreturn]] void type_error(const std::string& message);
 
+// ---- Limits (jinja/limits.cpp) ----
+//
+// Note [bounded templates]
+// A chat template comes with a model (from whoever published it) and a conversation from a
+// data set: neither is trusted. Python's Jinja2 stops runaway recursion with RecursionError
+// and nothing else; replica must never overflow the stack, run for hours or exhaust memory,
+// so every template is held to these bounds, each a ChatTemplateError (named with the
+// template's source and line by ChatTemplate):
+//  - parsing: blocks and expressions nest at most kMaxNesting deep, counting both the
+//    parser's recursion and the height of each expression tree, which is checked as each
+//    node is built (an iterative loop like `x.a.a.a...` or `a+a+a...` builds a deep tree
+//    without recursing), so every walk over the parsed template is bounded too;
+//  - recursion at render time: every recursive walk (evaluating expressions and statements,
+//    macro calls, str()/repr()/tojson/== of values, JSON input, a generator pulling from a
+//    generator) holds a RecursionGuard: at most kMaxRecursion nested per thread;
+//  - destruction: a value never frees its contents recursively (Value's destructor hands the
+//    last reference to a container to an iterative release loop), so a list nested a
+//    million deep by a loop is freed in constant stack;
+//  - work: a render has a budget of steps (nodes evaluated, statements run, loop iterations,
+//    items materialised, generator pulls) and of bytes (strings built, output written), so a
+//    loop over range(10**5) inside another ends in an error instead of running for hours;
+//    sizes that multiply (str * n, list * n, padding widths, long separators and
+//    replacements) are charged before anything is allocated. Every real chat template is far
+//    inside the budget: see RenderBudget.
+
+// Parser recursion and expression-tree height (Python's parser gives up around the same).
+inline constexpr int kMaxNesting = 200;
+// Nested evaluation and value walks at render time (each frame < ~1 KB of stack).
+inline constexpr int kMaxRecursion = 2000;
+
+// Holds one level of a recursive walk; a Runtime error past kMaxRecursion.
+class RecursionGuard {
+ public:
+  RecursionGuard();
+  ~RecursionGuard();
+  RecursionGuard(const RecursionGuard&) = delete;
+  RecursionGuard& operator=(const RecursionGuard&) = delete;
+};
+
+// The work allowed for one render (or for the constant folding of one parse). Installed for
+// the current thread while it lives; charges made with none installed are not counted.
+class RenderBudget {
+ public:
+  // What real templates use: the fixtures' chats (chat_templates/expected.json) at most
+  // ~1,200 steps and 12 KB; Qwen3's template over a 2,000-message conversation (2 MB)
+  // ~10**5 steps and 9 MB. The budget: 2*10**6 steps and 128 MiB, plus an allowance for the
+  // input (input_values JSON values, input_bytes of strings and values in it), so a bigger
+  // conversation gets a proportionally bigger budget.
+  static constexpr uint64_t kBaseSteps = 2'000'000;
+  static constexpr uint64_t kStepsPerInputValue = 100;
+  static constexpr uint64_t kBaseBytes = uint64_t{128} << 20;
+  static constexpr uint64_t kBytesPerInputByte = 32;
+  RenderBudget(uint64_t input_values = 0, uint64_t input_bytes = 0);
+  ~RenderBudget();
+  RenderBudget(const RenderBudget&) = delete;
+  RenderBudget& operator=(const RenderBudget&) = delete;
+  uint64_t steps_used() const { return steps_limit_ - steps_left_; }
+  uint64_t bytes_used() const { return bytes_limit_ - bytes_left_; }
+
+ private:
+  friend void charge_steps(uint64_t n);
+  friend void charge_bytes(uint64_t n);
+  uint64_t steps_limit_, steps_left_, bytes_limit_, bytes_left_;
+  RenderBudget* outer_;
+};
+
+// Counts n steps / bytes against the installed budget; a Runtime error when it is spent.
+void charge_steps(uint64_t n);
+void charge_bytes(uint64_t n);
+// charge_bytes(count * each) without overflowing: for sizes that multiply.
+void charge_bytes(uint64_t count, uint64_t each);
+struct Value;
+// `times` copies of `items` into a list: steps per item, bytes per item and per string.
+void charge_items(uint64_t times, const std::vector<Value>& items);
+
 // ---- UTF-8, Python's character classes, number formatting (jinja/python_text.cpp) ----
 
 // Invalid bytes decode to U+DC80..U+DCFF (Python's surrogateescape) and encode back to the
@@ -103,6 +178,16 @@ struct UndefInfo {
 enum class VK : uint8_t { Undefined, None, Bool, Int, Float, Str, List, Dict, Namespace, Loop, Func, Iter };
 
 struct Value {
+  Value() = default;
+  Value(const Value&) = default;
+  Value(Value&&) noexcept = default;
+  Value& operator=(const Value&) = default;
+  Value& operator=(Value&&) noexcept = default;
+  // Note [bounded templates]: the last reference to a container is released iteratively.
+  ~Value() {
+    if (list || dict || fn || loop || iter) release_contents();
+  }
+
   VK k = VK::Undefined;
   bool b = false;
   bool markup = false;  // Str: a markupsafe.Markup (from |escape, |safe)
@@ -126,6 +211,9 @@ struct Value {
   bool is_tuple() const;
   int64_t as_int() const { return k == VK::Bool ? (b ? 1 : 0) : i; }
   double as_double() const { return k == VK::Float ? f : static_cast<double>(as_int()); }
+
+ private:
+  void release_contents() noexcept;
 };
 
 // A list, a tuple, or a read-only sequence-like Python object: a range ("range") or a dict
@@ -146,6 +234,8 @@ struct IterObj {
   bool done = false;
   std::optional<Value> pull() {
     if (done) return std::nullopt;
+    RecursionGuard guard;  // a generator over a generator over ...
+    charge_steps(1);
     std::optional<Value> v = next();
     if (!v) done = true;
     return v;
@@ -269,9 +359,9 @@ std::vector<Value> iterate(const Value& v);
 struct Cursor {
   std::vector<Value> items;
   size_t pos = 0;
-  std::shared_ptr<IterObj> it;
+  Value it;  // the generator (a Value, so that it is released iteratively), or Undefined
   std::optional<Value> next() {
-    if (it) return it->pull();
+    if (it.iter) return it.iter->pull();
     if (pos < items.size()) return items[pos++];
     return std::nullopt;
   }
@@ -335,6 +425,7 @@ using ExprP = std::unique_ptr<Expr>;
 struct Expr {
   EK k = EK::Const;
   int line = 0;
+  int height = 1;            // of the tree below and including this node (<= kMaxNesting)
   Value val;                 // Const
   std::string name;          // Name; Getattr attribute; Filter/Test name; Bin operator
   // Getattr [obj]; Getitem [obj, arg]; Slice [start, stop, step] (entries may be null);
@@ -483,6 +574,8 @@ class Interp {
 
   static constexpr int kMaxMacroDepth = 100;
   int macro_depth_ = 0;
+  // The template line of the statement or expression evaluated last: where an error arose.
+  int line_ = 0;
 
   Value apply_block_filter(const Expr& filter, const Value& v, const ScopeP& sc);
   void exec_for(const Stmt& s, const ScopeP& sc, std::string& out);

@@ -15,8 +15,9 @@ namespace replica::text::detail::jinja {
 // ---------------------------------------------------------------------------------------
 
 [[noreturn]] void syntax_error(const std::string& message, int line) {
-  raise_error(EKind::Syntax,
-              "chat template syntax error: " + message + " (line " + std::to_string(line) + ")");
+  throw ChatTemplateError(EKind::Syntax,
+                          "chat template syntax error: " + message + " (line " + std::to_string(line) + ")",
+                          line);
 }
 
 bool is_dig(char c) { return c >= '0' && c <= '9'; }

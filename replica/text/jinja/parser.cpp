@@ -246,11 +246,22 @@ class Parser {
     result->k = SK::If;
     result->line = expect_name("if").line;
     Stmt* node = result.get();
+    // Each {% elif %} is an If nested in the previous one's else: it counts as a level.
+    const int saved_nesting = nesting_;
+    struct Restore {
+      int& n;
+      int v;
+      ~Restore() { n = v; }
+    } restore{nesting_, saved_nesting};
     while (true) {
       node->expr = parse_tuple(false, false, nullptr, false);
       node->body = parse_statements({"elif", "else", "endif"}, false);
       const Token& t = next();
       if (t.value == "elif") {
+        if (++nesting_ > kMaxNesting) {
+          fail("template nested too deeply (blocks, {% elif %} branches and expressions nest at most " +
+               std::to_string(kMaxNesting) + " levels)");
+        }
         auto elif = std::make_unique<Stmt>();
         elif->k = SK::If;
         elif->is_elif = true;
@@ -408,24 +419,42 @@ class Parser {
     }
     auto e = new_expr(EK::Tuple, line);
     e->kids = std::move(args);
-    return e;
+    return built(std::move(e));
   }
 
   ExprP parse_expression(bool with_condexpr) {
     return with_condexpr ? parse_condexpr() : parse_or();
   }
 
-  // Nesting beyond this is refused (Python's parser gives up around the same depth), so a
-  // hostile template cannot exhaust the stack.
-  static constexpr int kMaxNesting = 200;
+  // Note [bounded templates]: the parser's recursion is bounded here, and each expression
+  // tree's height by built() (loops such as `a.b.c...` or `a + b + c...` build deep trees
+  // without recursing, and everything after parsing walks the tree recursively).
   int nesting_ = 0;
   struct Nest {
     Parser& p;
     explicit Nest(Parser& parser) : p(parser) {
-      if (++p.nesting_ > kMaxNesting) p.fail("template nested too deeply");
+      if (++p.nesting_ > kMaxNesting) {
+        p.fail("template nested too deeply (blocks and expressions nest at most " +
+               std::to_string(kMaxNesting) + " levels)");
+      }
     }
     ~Nest() { --p.nesting_; }
   };
+  // A node whose children are all attached: its height, refused past kMaxNesting.
+  ExprP built(ExprP e) {
+    int h = 0;
+    for (const auto& k : e->kids) h = std::max(h, k ? k->height : 0);
+    for (const auto& kv : e->kwargs) h = std::max(h, kv.second ? kv.second->height : 0);
+    if (e->dyn_args) h = std::max(h, e->dyn_args->height);
+    if (e->dyn_kwargs) h = std::max(h, e->dyn_kwargs->height);
+    e->height = h + 1;
+    if (e->height > kMaxNesting) {
+      fail("expression nested too deeply (at most " + std::to_string(kMaxNesting) +
+               " levels of operators, calls, filters, subscripts and brackets)",
+           e->line);
+    }
+    return e;
+  }
 
   ExprP parse_condexpr() {
     Nest nest(*this);
@@ -439,7 +468,7 @@ class Parser {
       c->kids.push_back(std::move(expr2));
       c->kids.push_back(std::move(expr1));
       c->kids.push_back(std::move(expr3));
-      expr1 = std::move(c);
+      expr1 = built(std::move(c));
     }
     return expr1;
   }
@@ -449,7 +478,7 @@ class Parser {
     e->name = std::move(op);
     e->kids.push_back(std::move(l));
     e->kids.push_back(std::move(r));
-    return e;
+    return built(std::move(e));
   }
 
   ExprP parse_or() {
@@ -466,10 +495,11 @@ class Parser {
   }
   ExprP parse_not() {
     if (is_name("not")) {
+      Nest nest(*this);  // `not not not ... x`
       int line = next().line;
       auto e = new_expr(EK::Not, line);
       e->kids.push_back(parse_not());
-      return e;
+      return built(std::move(e));
     }
     return parse_compare();
   }
@@ -500,7 +530,7 @@ class Parser {
     e->kids.push_back(std::move(expr));
     for (auto& o : operands) e->kids.push_back(std::move(o));
     e->ops = std::move(ops);
-    return e;
+    return built(std::move(e));
   }
   ExprP parse_math1() {
     int line = cur().line;
@@ -519,7 +549,7 @@ class Parser {
     if (args.size() == 1) return std::move(args[0]);
     auto e = new_expr(EK::Concat, line);
     e->kids = std::move(args);
-    return e;
+    return built(std::move(e));
   }
   ExprP parse_math2() {
     int line = cur().line;
@@ -544,6 +574,7 @@ class Parser {
       bool neg = next().value == "-";
       node = new_expr(neg ? EK::Neg : EK::Pos, line);
       node->kids.push_back(parse_unary(false));
+      node = built(std::move(node));
     } else {
       node = parse_primary();
     }
@@ -598,7 +629,7 @@ class Parser {
         e->kids.push_back(parse_expression(true));
       }
       expect_op("]");
-      return e;
+      return built(std::move(e));
     }
     if (is_op("{")) {
       next();
@@ -611,7 +642,7 @@ class Parser {
         e->kids.push_back(parse_expression(true));
       }
       expect_op("}");
-      return e;
+      return built(std::move(e));
     }
     if (tok.type == TT::Eof) fail("unexpected end of template");
     fail("unexpected '" + describe_token(tok) + "'");
@@ -655,7 +686,7 @@ class Parser {
         e->name = attr.value;
         next();
         e->kids.push_back(std::move(node));
-        return e;
+        return built(std::move(e));
       }
       if (attr.type != TT::Int) fail("expected name or number", attr.line);
       auto e = new_expr(EK::Getitem, line);
@@ -664,7 +695,7 @@ class Parser {
       next();
       e->kids.push_back(std::move(node));
       e->kids.push_back(std::move(c));
-      return e;
+      return built(std::move(e));
     }
     // "["
     std::vector<ExprP> args;
@@ -680,9 +711,9 @@ class Parser {
     } else {
       auto t = new_expr(EK::Tuple, line);
       t->kids = std::move(args);
-      e->kids.push_back(std::move(t));
+      e->kids.push_back(built(std::move(t)));
     }
-    return e;
+    return built(std::move(e));
   }
 
   ExprP parse_subscribed() {
@@ -716,7 +747,7 @@ class Parser {
     }
     auto e = new_expr(EK::Slice, line);
     e->kids = std::move(args);
-    return e;
+    return built(std::move(e));
   }
 
   void parse_call_args(Expr& e) {
@@ -756,7 +787,7 @@ class Parser {
     auto e = new_expr(EK::Call, cur().line);
     e->kids.push_back(std::move(node));
     parse_call_args(*e);
-    return e;
+    return built(std::move(e));
   }
 
   ExprP parse_filter(ExprP node, bool start_inline) {
@@ -771,7 +802,7 @@ class Parser {
       }
       e->kids.push_back(std::move(node));
       if (is_op("(")) parse_call_args(*e);
-      node = std::move(e);
+      node = built(std::move(e));
       start_inline = false;
     }
     return node;
@@ -798,10 +829,11 @@ class Parser {
       ExprP arg = parse_postfix(parse_primary());
       e->kids.push_back(std::move(arg));
     }
+    e = built(std::move(e));
     if (!negated) return e;
     auto n = new_expr(EK::Not, line);
     n->kids.push_back(std::move(e));
-    return n;
+    return built(std::move(n));
   }
 };
 

@@ -98,23 +98,61 @@ std::shared_ptr<const JinjaProgram> jinja_parse(const std::string& source) {
   check_names(prog->body, false);
   mark_macros(prog->body);
   prog->root_undefined = analyze_scopes(prog->body);
-  fold_constants(prog->body);
+  {
+    // Constant folding runs template code: one budget for the whole template (what does not
+    // fold within it is left to render time, where the render's budget applies).
+    RenderBudget folding;
+    fold_constants(prog->body);
+  }
   return prog;
 }
 
+namespace {
+
+// The size of the render's input, for its budget (Note [bounded templates]): JSON values and
+// string bytes. Iterative, so any nesting is measured in bounded stack.
+void measure_input(const nlohmann::ordered_json& root, uint64_t& values, uint64_t& bytes) {
+  std::vector<const nlohmann::ordered_json*> todo{&root};
+  while (!todo.empty()) {
+    const nlohmann::ordered_json* j = todo.back();
+    todo.pop_back();
+    ++values;
+    if (j->is_string()) {
+      bytes += j->get_ref<const std::string&>().size();
+    } else if (j->is_object()) {
+      for (auto it = j->begin(); it != j->end(); ++it) {
+        bytes += it.key().size();
+        todo.push_back(&it.value());
+      }
+    } else if (j->is_array()) {
+      for (const auto& x : *j) todo.push_back(&x);
+    }
+  }
+}
+
+}  // namespace
+
 std::string jinja_render(const JinjaProgram& program, const nlohmann::ordered_json& context) {
   using namespace jinja;
-  auto globals = std::make_shared<Scope>(nullptr);
-  install_globals(*globals);
-  auto ctx = std::make_shared<Scope>(globals);
-  if (context.is_object()) {
-    for (auto it = context.begin(); it != context.end(); ++it) ctx->vars[it.key()] = from_json(it.value());
-  }
-  auto root = new_frame(ctx, program.root_undefined);
+  uint64_t input_values = 0, input_bytes = 0;
+  measure_input(context, input_values, input_bytes);
+  RenderBudget budget(input_values, input_bytes + input_values * sizeof(Value));
   Interp interp;
-  std::string out;
-  interp.exec(program.body, root, out);
-  return out;
+  try {
+    auto globals = std::make_shared<Scope>(nullptr);
+    install_globals(*globals);
+    auto ctx = std::make_shared<Scope>(globals);
+    if (context.is_object()) {
+      for (auto it = context.begin(); it != context.end(); ++it) ctx->vars[it.key()] = from_json(it.value());
+    }
+    auto root = new_frame(ctx, program.root_undefined);
+    std::string out;
+    interp.exec(program.body, root, out);
+    return out;
+  } catch (const ChatTemplateError& e) {
+    // The line where it arose, for ChatTemplate to name (the message stays Jinja2's).
+    throw ChatTemplateError(e.kind(), e.what(), interp.line_);
+  }
 }
 
 }  // namespace replica::text::detail

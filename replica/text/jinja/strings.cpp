@@ -107,6 +107,7 @@ std::string pad_str(const std::string& s, int64_t width, char32_t fill, char ali
   int64_t len = static_cast<int64_t>(py_len(s));
   if (width <= len) return s;
   int64_t total = width - len;
+  charge_bytes(static_cast<uint64_t>(total), 4);  // Note [bounded templates]: before the padding
   int64_t left = 0;
   if (align == '>') left = total;
   if (align == '^') left = total / 2;
@@ -149,14 +150,15 @@ std::string format_spec(const Value& v, const std::string& spec_utf8) {
     ++i;
   }
   int64_t width = -1;
-  while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9') width = (width < 0 ? 0 : width * 10) + (spec[i++] - '0');
+  // (saturating: the padding is charged against the render's budget, which refuses it)
+  while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9') width = std::min<int64_t>((width < 0 ? 0 : width * 10) + (spec[i++] - '0'), INT64_MAX / 16);
   char grouping = 0;
   if (i < spec.size() && (spec[i] == ',' || spec[i] == '_')) grouping = static_cast<char>(spec[i++]);
   int precision = -1;
   if (i < spec.size() && spec[i] == '.') {
     ++i;
     precision = 0;
-    while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9') precision = precision * 10 + static_cast<int>(spec[i++] - '0');
+    while (i < spec.size() && spec[i] >= '0' && spec[i] <= '9') precision = std::min(precision * 10 + static_cast<int>(spec[i++] - '0'), 100000000);
   }
   char type = 0;
   if (i < spec.size()) type = static_cast<char>(spec[i++]);
@@ -264,6 +266,7 @@ std::string format_spec(const Value& v, const std::string& spec_utf8) {
     std::string f;
     append_utf8(f, fill);
     std::string pad;
+    if (width > len) charge_bytes(static_cast<uint64_t>(width - len), 4);
     for (int64_t k = len; k < width; ++k) pad += f;
     return sign_str + pad + body;
   }
@@ -453,6 +456,7 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
     int64_t done = 0;
     for (size_t k = 0; k <= d.size(); ++k) {
       if (done < count) {
+        charge_bytes(repl.size());
         out += repl;
         ++done;
       }
@@ -466,6 +470,7 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
     size_t f = s.find(old, start);
     if (f == std::string::npos) break;
     out.append(s, start, f - start);
+    charge_bytes(repl.size());  // Note [bounded templates]: a long replacement, many times
     out += repl;
     start = f + old.size();
     ++done;
@@ -513,6 +518,7 @@ std::string py_center(const std::string& s, int64_t width, char32_t fill) {
   int64_t len = static_cast<int64_t>(py_len(s));
   if (width <= len) return s;
   int64_t marg = width - len;
+  charge_bytes(static_cast<uint64_t>(marg), 4);  // Note [bounded templates]: before the padding
   int64_t left = marg / 2 + (marg & width & 1);
   std::string f;
   append_utf8(f, fill);
@@ -571,7 +577,7 @@ std::string py_percent_format(const std::string& fmt, const Value& args) {
       width = static_cast<int>(need_int(next_arg(), "* width"));
       ++i;
     } else {
-      while (i < n && is_dig(fmt[i])) width = (width < 0 ? 0 : width * 10) + (fmt[i++] - '0');
+      while (i < n && is_dig(fmt[i])) width = std::min((width < 0 ? 0 : width * 10) + (fmt[i++] - '0'), 100000000);
     }
     int prec = -1;
     if (i < n && fmt[i] == '.') {
@@ -581,7 +587,7 @@ std::string py_percent_format(const std::string& fmt, const Value& args) {
         prec = static_cast<int>(need_int(next_arg(), "* precision"));
         ++i;
       } else {
-        while (i < n && is_dig(fmt[i])) prec = prec * 10 + (fmt[i++] - '0');
+        while (i < n && is_dig(fmt[i])) prec = std::min(prec * 10 + (fmt[i++] - '0'), 100000000);
       }
     }
     while (i < n && (fmt[i] == 'h' || fmt[i] == 'l' || fmt[i] == 'L')) ++i;
@@ -614,6 +620,7 @@ std::string py_percent_format(const std::string& fmt, const Value& args) {
       continue;
     }
     std::string cf = "%" + flags;
+    if (width > 0) charge_bytes(static_cast<uint64_t>(width));  // snprintf pads to it
     if (width >= 0) cf += std::to_string(width);
     if (prec >= 0) cf += "." + std::to_string(prec);
     char buf[512];
@@ -735,7 +742,10 @@ Value call_str_method(const std::string& self, const std::string& name, const Ca
     size_t idx = 0;
     for (const Value& x : iterate(p[0])) {
       if (x.k != VK::Str) type_error("sequence item " + std::to_string(idx) + ": expected str instance, " + type_name(x) + " found");
-      if (idx++) out += self;
+      if (idx++) {
+        charge_bytes(self.size());  // a long separator between many items
+        out += self;
+      }
       out += x.s;
     }
     return make_str(out);
@@ -779,6 +789,7 @@ Value call_str_method(const std::string& self, const std::string& name, const Ca
     int64_t width = need_int(p[0], "width");
     int64_t len = static_cast<int64_t>(py_len(self));
     if (width <= len) return make_str(self);
+    charge_bytes(static_cast<uint64_t>(width - len));  // Note [bounded templates]
     std::string sign, rest = self;
     if (!rest.empty() && (rest[0] == '+' || rest[0] == '-')) {
       sign = rest.substr(0, 1);

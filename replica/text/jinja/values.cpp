@@ -46,12 +46,14 @@ Value make_float(double f) {
   return v;
 }
 Value make_str(std::string s) {
+  charge_bytes(s.size());  // Note [bounded templates]
   Value v;
   v.k = VK::Str;
   v.s = std::move(s);
   return v;
 }
 Value make_list(std::vector<Value> items, bool tuple) {
+  charge_items(1, items);  // Note [bounded templates]
   Value v;
   v.k = VK::List;
   v.list = std::make_shared<ListObj>();
@@ -220,6 +222,7 @@ std::string py_repr(const Value& v) {
 }
 
 std::string py_str(const Value& v) {
+  RecursionGuard guard;  // lists and dicts print their items
   switch (v.k) {
     case VK::Undefined: return "";
     case VK::None: return "None";
@@ -258,6 +261,7 @@ bool truthy(const Value& v) {
 }
 
 bool py_eq(const Value& a, const Value& b) {
+  RecursionGuard guard;
   if (a.k == VK::Undefined || b.k == VK::Undefined) {
     return a.k == VK::Undefined && b.k == VK::Undefined;
   }
@@ -310,6 +314,7 @@ bool py_eq(const Value& a, const Value& b) {
 // Three-way comparison for <, <=, >, >=; nullopt when unordered (NaN). TypeError like Python
 // when the types do not compare.
 std::optional<int> py_compare(const Value& a, const Value& b, const char* op) {
+  RecursionGuard guard;
   if (a.k == VK::Undefined) fail_undefined(a);
   if (b.k == VK::Undefined) fail_undefined(b);
   if (a.is_num() && b.is_num()) {
@@ -348,6 +353,7 @@ bool py_less(const Value& a, const Value& b) {
 
 template <typename Json>
 Value from_json(const Json& j) {
+  RecursionGuard guard;
   switch (j.type()) {
     case nlohmann::json::value_t::null: return make_none();
     case nlohmann::json::value_t::boolean: return make_bool(j.template get<bool>());
@@ -427,7 +433,9 @@ std::string json_float(double f) {
 }  // namespace
 
 void json_dump(std::string& out, const Value& v, const JsonOptions& o, int level) {
+  RecursionGuard guard;
   auto newline = [&](int lvl) {
+    charge_bytes(static_cast<uint64_t>(lvl), o.indent->size());  // a huge indent, many lines
     out.push_back('\n');
     for (int k = 0; k < lvl; ++k) out += *o.indent;
   };
@@ -553,7 +561,7 @@ std::vector<Value> iterate(const Value& v) {
 Cursor cursor_of(const Value& v) {
   Cursor c;
   if (v.k == VK::Iter) {
-    c.it = v.iter;
+    c.it = v;
   } else {
     c.items = iterate(v);
   }

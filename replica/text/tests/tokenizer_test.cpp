@@ -242,10 +242,11 @@ TEST(Errors, NameTheFileAndComponent) {
   json bad_merge = byte_level_json();
   bad_merge["model"]["merges"].push_back("zz q");
   EXPECT_NE(error_of([&] { load(bad_merge, "x.json"); }).find("merge 4 ('zz' 'q')"), std::string::npos);
-  EXPECT_NE(error_of([&] { Tokenizer::from_json_string("{not json", "x.json"); }).find("'x.json' is not valid JSON"),
+  EXPECT_NE(error_of([&] { Tokenizer::from_json_string("{not json", "x.json"); })
+                .find("tokenizer.json 'x.json': not valid JSON"),
             std::string::npos);
   EXPECT_EQ(error_of([] { Tokenizer::from_json_file("/nonexistent/tokenizer.json"); }),
-            "cannot read tokenizer.json '/nonexistent/tokenizer.json'");
+            "cannot open '/nonexistent/tokenizer.json': No such file or directory");
   EXPECT_EQ(error_of([] { Tokenizer::from_dir("/nonexistent/model"); }),
             "tokenizer directory '/nonexistent/model' does not exist");
   TempDir empty;
@@ -381,7 +382,7 @@ TEST(TokenizeCommand, ChatRendersThenEncodesWithoutSpecialTokens) {
   std::istringstream bad("not json\n");
   std::ostringstream ignored;
   EXPECT_NE(error_of([&] { replica::text::tokenize_command(dir.path.string(), true, bad, ignored, render); })
-                .find("stdin line 1 is not JSON"),
+                .find("replica tokenize --chat: stdin line 1: not valid JSON"),
             std::string::npos);
   std::istringstream any("[]\n");
   EXPECT_NE(error_of([&] { replica::text::tokenize_command(dir.path.string(), true, any, ignored); })
