@@ -10,33 +10,26 @@
 #include <cstring>
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <memory>
+#include <sstream>
 #include <vector>
 
 namespace replica::io {
 
 std::string sha256_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("{}: cannot open for its checksum: {}", path, std::strerror(errno));
+  const RegularFile file(path);  // regular files only: a FIFO or /dev/zero would never end
   std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
   if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
-    ::close(fd);
     fail("{}: OpenSSL SHA-256 is unavailable", path);
   }
   std::vector<unsigned char> buf(1 << 20);
   for (;;) {
-    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    const ssize_t n = ::read(file.fd(), buf.data(), buf.size());
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      fail("{}: read failed while checksumming: {}", path, std::strerror(err));
-    }
+    if (n < 0) fail("{}: read failed while checksumming: {}", path, std::strerror(errno));
     if (n == 0) break;
     EVP_DigestUpdate(ctx.get(), buf.data(), static_cast<size_t>(n));
   }
-  ::close(fd);
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   EVP_DigestFinal_ex(ctx.get(), md, &len);
@@ -59,8 +52,10 @@ void write_checksum_manifest(const std::string& dir) {
 
 bool verify_checksum_manifest(const std::string& dir) {
   const std::string manifest = dir + "/" + kChecksumManifest;
-  std::ifstream in(manifest);
-  if (!in) return false;
+  std::error_code ec;
+  if (!std::filesystem::exists(manifest, ec)) return false;
+  // One line per file of the checkpoint: 16 MiB is far more than any holds.
+  std::istringstream in(read_file(manifest, std::uint64_t{16} << 20));
   std::string line;
   int line_no = 0;
   while (std::getline(in, line)) {

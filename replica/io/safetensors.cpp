@@ -1,6 +1,8 @@
 #include "replica/io/safetensors.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/core/suggest.h"
 
 #include <fcntl.h>
@@ -13,6 +15,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <cmath>
 #include <limits>
 #include <set>
 #include <vector>
@@ -61,6 +64,12 @@ std::string supported_dtypes() {
     out += d.name;
   }
   return out;
+}
+
+// A name or key from the file as a message shows it: the header may hold a 100 MB name.
+std::string shown(const std::string& text) {
+  constexpr size_t kMaxShown = 120;
+  return text.size() <= kMaxShown ? text : text.substr(0, kMaxShown) + "...";
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
@@ -135,7 +144,7 @@ struct Entry {
 Entry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& value,
                   uint64_t data_size) {
   auto bad = [&](const std::string& what) -> Error {
-    return Error(fmt::format("{}: tensor '{}': {}", path, name, what));
+    return Error(fmt::format("{}: tensor '{}': {}", path, shown(name), what));
   };
   if (!value.is_object()) throw bad("header entry is not a JSON object");
 
@@ -145,7 +154,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
   const auto dtype_name = dtype_it->get<std::string>();
   e.dtype = dtype_by_name(dtype_name);
   if (e.dtype == nullptr) {
-    throw bad(fmt::format("unsupported dtype '{}' (supported: {})", dtype_name, supported_dtypes()));
+    throw bad(fmt::format("unsupported dtype '{}' (supported: {})", shown(dtype_name), supported_dtypes()));
   }
 
   auto shape_it = value.find("shape");
@@ -155,7 +164,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
     if (dim.is_number_integer() && !dim.is_number_unsigned()) {
       throw bad(fmt::format("negative dimension {} in shape", dim.get<int64_t>()));
     }
-    if (!dim.is_number_unsigned()) throw bad(fmt::format("shape entry {} is not an integer", dim.dump()));
+    if (!dim.is_number_unsigned()) throw bad(fmt::format("shape entry {} is not an integer", json_excerpt(dim)));
     dims.push_back(dim.get<uint64_t>());
   }
   // The product of max(dim, 1) must fit int64, or LibTorch's stride arithmetic overflows even
@@ -165,7 +174,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const nlohma
   for (uint64_t d : dims) {
     if (__builtin_mul_overflow(extent, std::max<uint64_t>(d, 1), &extent) ||
         extent > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      throw bad(fmt::format("shape [{}] is too large", fmt::join(dims, ", ")));
+      throw bad(fmt::format("shape {} is too large", json_excerpt(*shape_it)));
     }
     numel *= d;  // cannot overflow: numel <= extent
     e.shape.push_back(static_cast<int64_t>(d));
@@ -275,19 +284,25 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   }
 }
 
-SafetensorsFile load_safetensors(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) fail("{}: cannot open: {}", path, std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) fail("{}: cannot stat: {}", path, std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) fail("{}: not a regular file", path);
-  const auto file_size = static_cast<uint64_t>(st.st_size);
+namespace {
+
+// A file's header, checked: entries sorted by offset, covering the data section exactly.
+struct Header {
+  std::vector<Entry> entries;
+  std::map<std::string, std::string> metadata;
+  uint64_t data_start = 0;
+};
+
+// Thrown from the parser's callback: stops the parse before a deeper level is built.
+struct HeaderTooDeep {};
+
+Header read_header(const RegularFile& file, const std::string& path) {
+  const uint64_t file_size = file.size();
   if (file_size < 8) {
     fail("{}: file is {} bytes, too short for a safetensors header (8 bytes)", path, file_size);
   }
-
   unsigned char len_bytes[8];
-  read_all(fd.get(), len_bytes, sizeof(len_bytes), 0, path);
+  read_all(file.fd(), len_bytes, sizeof(len_bytes), 0, path);
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(len_bytes[i]) << (8 * i);
   if (header_len > file_size - 8) {
@@ -297,27 +312,34 @@ SafetensorsFile load_safetensors(const std::string& path) {
   if (header_len > kMaxHeaderBytes) {
     fail("{}: header length {} exceeds the {} byte limit", path, header_len, kMaxHeaderBytes);
   }
-  const uint64_t data_start = 8 + header_len;
-  const uint64_t data_size = file_size - data_start;
+  Header out;
+  out.data_start = 8 + header_len;
+  const uint64_t data_size = file_size - out.data_start;
 
   std::string header_text(header_len, '\0');
-  read_all(fd.get(), header_text.data(), header_text.size(), 8, path);
+  read_all(file.fd(), header_text.data(), header_text.size(), 8, path);
 
   // nlohmann::json keeps the last of duplicate keys silently (the reference rejects them);
-  // the callback sees every key as it is parsed, one set of keys per open object.
+  // the callback sees every key as it is parsed, one set of keys per open object. It also
+  // bounds the nesting as core/json.h's parse_json does (a header's shape nested 500,000 deep
+  // would parse, then overflow the stack in whatever walks it).
   std::vector<std::set<std::string>> open_objects;
   std::string tensor;     // the top-level key being parsed
   std::string duplicate;  // the first duplicate, as a message
-  auto on_event = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+  auto on_event = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
     using Event = nlohmann::json::parse_event_t;
+    if ((event == Event::object_start || event == Event::array_start) && depth >= kMaxJsonDepth) {
+      throw HeaderTooDeep{};
+    }
     if (event == Event::object_start) open_objects.emplace_back();
     if (event == Event::object_end && !open_objects.empty()) open_objects.pop_back();
     if (event == Event::key && !open_objects.empty() && duplicate.empty()) {
       const auto& key = parsed.get_ref<const std::string&>();
       if (open_objects.size() == 1) tensor = key;
       if (!open_objects.back().insert(key).second) {
-        duplicate = open_objects.size() == 1 ? fmt::format("tensor '{}' appears twice in the header", key)
-                                             : fmt::format("'{}': key '{}' appears twice", tensor, key);
+        duplicate = open_objects.size() == 1
+                        ? fmt::format("tensor '{}' appears twice in the header", shown(key))
+                        : fmt::format("'{}': key '{}' appears twice", shown(tensor), shown(key));
       }
     }
     return true;
@@ -325,40 +347,41 @@ SafetensorsFile load_safetensors(const std::string& path) {
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(header_text, on_event);
+  } catch (const HeaderTooDeep&) {
+    fail("{}: header JSON nested more than {} levels deep", path, kMaxJsonDepth);
   } catch (const nlohmann::json::exception& e) {
-    fail("{}: header is not valid JSON: {}", path, e.what());
+    std::string reason = e.what();
+    if (reason.size() > 200) reason = reason.substr(0, 200) + "...";
+    fail("{}: header is not valid JSON: {}", path, reason);
   }
   if (!header.is_object()) fail("{}: header is not a JSON object", path);
   if (!duplicate.empty()) fail("{}: {}", path, duplicate);
 
-  SafetensorsFile file;
-  file.path = path;
-  std::vector<Entry> entries;
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
       if (!value.is_object()) fail("{}: '__metadata__' is not a JSON object", path);
       for (const auto& [key, text] : value.items()) {
-        if (!text.is_string()) fail("{}: '__metadata__' value for '{}' is not a string", path, key);
-        file.metadata[key] = text.get<std::string>();
+        if (!text.is_string()) fail("{}: '__metadata__' value for '{}' is not a string", path, shown(key));
+        out.metadata[key] = text.get<std::string>();
       }
       continue;
     }
-    entries.push_back(parse_entry(path, name, value, data_size));
+    out.entries.push_back(parse_entry(path, name, value, data_size));
   }
 
   // The data section must be exactly covered: no overlaps, no holes, nothing trailing.
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+  std::sort(out.entries.begin(), out.entries.end(), [](const Entry& a, const Entry& b) {
     return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
   });
   uint64_t covered = 0;
   const Entry* previous = nullptr;
-  for (const auto& e : entries) {
+  for (const auto& e : out.entries) {
     if (e.begin < covered) {
-      fail("{}: tensor '{}': data_offsets [{}, {}] overlap tensor '{}' [{}, {}]", path, e.name, e.begin,
-           e.end, previous->name, previous->begin, previous->end);
+      fail("{}: tensor '{}': data_offsets [{}, {}] overlap tensor '{}' [{}, {}]", path, shown(e.name), e.begin,
+           e.end, shown(previous->name), previous->begin, previous->end);
     }
     if (e.begin > covered) {
-      fail("{}: tensor '{}': data_offsets [{}, {}] leave a gap of {} unused bytes before it", path, e.name,
+      fail("{}: tensor '{}': data_offsets [{}, {}] leave a gap of {} unused bytes before it", path, shown(e.name),
            e.begin, e.end, e.begin - covered);
     }
     covered = e.end;
@@ -368,27 +391,68 @@ SafetensorsFile load_safetensors(const std::string& path) {
     fail("{}: {} bytes after the last tensor's data are not covered by any tensor", path,
          data_size - covered);
   }
+  return out;
+}
 
-  file.tensors.reserve(entries.size());
-  for (const auto& e : entries) {
+// Note [finite weights]
+// A NaN or an infinity in a weight, an adapter or an optimizer state read from a file is never
+// what anyone trained: it turns every loss it touches into NaN, which is then noticed (if at
+// all) steps later with no hint of its cause. Every load of a floating tensor goes through
+// load_safetensors, so the check is made there, once, naming the file and the tensor. It reads
+// the tensor in pieces, so the mask it builds stays small however large the tensor is.
+void require_finite(const torch::Tensor& t, const std::string& path, const std::string& name) {
+  if (!t.is_floating_point() || t.numel() == 0) return;
+  constexpr int64_t kPiece = int64_t{1} << 22;
+  const torch::Tensor flat = t.reshape({-1});
+  for (int64_t begin = 0; begin < flat.numel(); begin += kPiece) {
+    const torch::Tensor piece = flat.narrow(0, begin, std::min(kPiece, flat.numel() - begin));
+    const torch::Tensor finite = torch::isfinite(piece);
+    if (finite.all().item<bool>()) continue;
+    const int64_t at = torch::logical_not(finite).nonzero()[0][0].item<int64_t>();
+    const double value = piece[at].item<double>();
+    fail("{}: tensor '{}' holds {} at element {} (of shape {}): replica refuses non-finite weights and state",
+         path, shown(name), std::isnan(value) ? "NaN" : value > 0 ? "+inf" : "-inf", begin + at,
+         shape_text(t.sizes().vec()));
+  }
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path, NonFinite non_finite) {
+  const RegularFile file(path);  // O_NONBLOCK open, regular files only: a FIFO never blocks
+  const Header header = read_header(file, path);
+
+  SafetensorsFile out;
+  out.path = path;
+  out.metadata = header.metadata;
+  out.tensors.reserve(header.entries.size());
+  for (const auto& e : header.entries) {
     torch::Tensor t;
     try {
       t = torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype->type));
     } catch (const c10::Error& err) {
-      fail("{}: tensor '{}': cannot allocate shape {}: {}", path, e.name, shape_text(e.shape),
+      fail("{}: tensor '{}': cannot allocate shape {}: {}", path, shown(e.name), shape_text(e.shape),
            err.what_without_backtrace());
     }
-    read_all(fd.get(), t.data_ptr(), e.end - e.begin, data_start + e.begin, path);
+    read_all(file.fd(), t.data_ptr(), e.end - e.begin, header.data_start + e.begin, path);
     if (e.dtype->type == torch::kBool) {
       // LibTorch assumes bool bytes are 0 or 1; anything else is undefined behaviour.
       const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
       for (uint64_t i = 0; i < e.end - e.begin; ++i) {
-        if (bytes[i] > 1) fail("{}: tensor '{}': BOOL byte {} has value {}", path, e.name, i, bytes[i]);
+        if (bytes[i] > 1) fail("{}: tensor '{}': BOOL byte {} has value {}", path, shown(e.name), i, bytes[i]);
       }
     }
-    file.tensors.emplace_back(e.name, std::move(t));
+    if (non_finite == NonFinite::kRefuse) require_finite(t, path, e.name);
+    out.tensors.emplace_back(e.name, std::move(t));
   }
-  return file;
+  return out;
+}
+
+std::vector<TensorHeader> read_safetensors_header(const std::string& path) {
+  const RegularFile file(path);
+  std::vector<TensorHeader> out;
+  for (const auto& e : read_header(file, path).entries) out.push_back({e.name, e.dtype->type, e.shape});
+  return out;
 }
 
 }  // namespace replica::io

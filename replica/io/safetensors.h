@@ -39,7 +39,26 @@ struct SafetensorsFile {
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 
-// Reads the whole file into CPU tensors (each owning its memory).
-SafetensorsFile load_safetensors(const std::string& path);
+// What load_safetensors does with a floating tensor holding NaN or an infinity.
+enum class NonFinite {
+  kRefuse,  // replica::Error naming the file and the tensor (weights, optimizer state, adapters)
+  kKeep,    // read bit for bit (the format's own conformance test)
+};
+
+// Reads the whole file into CPU tensors (each owning its memory). Only a regular file is
+// read (a FIFO is refused without blocking). Every floating tensor must be finite unless
+// `non_finite` is kKeep: Note [finite weights] in safetensors.cpp.
+SafetensorsFile load_safetensors(const std::string& path, NonFinite non_finite = NonFinite::kRefuse);
+
+// One tensor as the header describes it, its data not read.
+struct TensorHeader {
+  std::string name;
+  torch::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+// The header of PATH, checked exactly as load_safetensors checks it (offsets against the
+// file's size included), in data order, without reading or allocating any tensor: what a
+// loader compares a model's configuration against before it builds the model.
+std::vector<TensorHeader> read_safetensors_header(const std::string& path);
 
 }  // namespace replica::io

@@ -15,6 +15,8 @@
 
 #include "replica/core/cuda.h"
 #include "replica/core/error.h"
+#include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/core/system.h"
 
 #include <fcntl.h>
@@ -95,18 +97,31 @@ std::string error_file_path(const std::string& dir, int rank, int restart) {
   return (std::filesystem::path(dir) / fmt::format("rank-{}.restart-{}.json", rank, restart)).string();
 }
 
+// A worker's error file holds one message; anything larger is not one.
+constexpr std::uint64_t kMaxErrorFileBytes = std::uint64_t{1} << 20;
+
 // Reports a failed worker's error file; when the worker left none (killed by a signal,
 // crashed, OOM-killed) the launcher writes one for it, so every failure has its record.
 void report_error_file(const std::string& path, const WorkerExit& exit, int restart) {
-  std::ifstream in(path);
-  if (in) {
+  std::error_code missing;
+  if (std::filesystem::exists(path, missing)) {
     try {
-      const auto j = nlohmann::json::parse(in);
-      log_line(fmt::format("rank {} reported at {}: {} (error file {})", j.value("rank", exit.rank),
-                           j.value("time", std::string("?")), j.value("message", std::string("?")), path));
+      // Read as every outside JSON is (core/json.h): a regular file of bounded size and
+      // nesting; a FIFO in its place is refused, not waited on.
+      const auto j = parse_json(read_file(path, kMaxErrorFileBytes), path);
+      std::string message = j.value("message", std::string("?"));
+      if (message.size() > 2000) message = message.substr(0, 2000) + "...";
+      // The rank the file claims only when it is an int (a float or a huge number would not
+      // narrow); else the rank the launcher knows.
+      const auto rank = j.find("rank");
+      const bool rank_is_int = rank != j.end() && rank->is_number_integer() &&
+                               rank->get<int64_t>() >= 0 && rank->get<int64_t>() <= std::numeric_limits<int>::max();
+      log_line(fmt::format("rank {} reported at {}: {} (error file {})",
+                           rank_is_int ? static_cast<int>(rank->get<int64_t>()) : exit.rank,
+                           j.value("time", std::string("?")), message, path));
       return;
     } catch (const std::exception&) {
-      // Torn or foreign content: replace it with the launcher's own record below.
+      // Torn, foreign or not a regular file: replace it with the launcher's own record below.
     }
   }
   const std::time_t now = std::time(nullptr);

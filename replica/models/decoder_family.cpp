@@ -105,20 +105,21 @@ Activation parse_activation(const json& j, const char* key, const char* def, con
   const std::string act = optional_string(j, key, source).value_or(def);
   if (act == "silu") return Activation::kSilu;
   if (act == "gelu_pytorch_tanh") return Activation::kGeluTanh;
-  fail("{}: {} '{}' is not supported (silu, gelu_pytorch_tanh)", source, key, act);
+  fail("{}: {} {} is not supported (silu, gelu_pytorch_tanh)", source, key, quote_excerpt(act));
 }
 
 // layer_types as written, checked: one entry per layer, each full_attention or sliding_attention.
 std::optional<std::vector<bool>> parse_layer_types(const json& j, int64_t layers, const std::string& source) {
   const json* types = field(j, "layer_types");
   if (!types) return std::nullopt;
-  if (!types->is_array()) fail("{}: layer_types must be a list, got {}", source, types->dump());
+  if (!types->is_array()) fail("{}: layer_types must be a list, got {}", source, json_excerpt(*types));
   std::vector<bool> sliding;
   for (const auto& t : *types) {
-    if (!t.is_string()) fail("{}: layer_types must list strings, got {}", source, t.dump());
+    if (!t.is_string()) fail("{}: layer_types must list strings, got {}", source, json_excerpt(t));
     const std::string kind = t.get<std::string>();
     if (kind != "sliding_attention" && kind != "full_attention") {
-      fail("{}: layer_types entry '{}' is not supported (full_attention, sliding_attention)", source, kind);
+      fail("{}: layer_types entry {} is not supported (full_attention, sliding_attention)", source,
+           quote_excerpt(kind));
     }
     sliding.push_back(kind == "sliding_attention");
   }
@@ -142,7 +143,8 @@ const FamilySpec& family_spec(const std::string& model_type, const std::string& 
   for (const auto& f : kFamilies) {
     if (type == f.model_type) return f;
   }
-  fail("{}: model_type '{}' is not supported (supported: {})", source, model_type, supported_model_types());
+  fail("{}: model_type {} is not supported (supported: {})", source, quote_excerpt(model_type),
+       supported_model_types());
 }
 
 std::string supported_model_types() {
@@ -193,15 +195,16 @@ void parse_family_fields(const nlohmann::json& file_json, const std::string& sou
                        : parse_activation(j, "hidden_act", "silu", source);
   if (!gemma) {
     if (auto act = optional_string(j, "hidden_activation", source); act && *act != "silu") {
-      fail("{}: hidden_activation '{}' is not supported for {} (only silu)", source, *act, c.model_type);
+      fail("{}: hidden_activation {} is not supported for {} (only silu)", source, quote_excerpt(*act),
+           c.model_type);
     }
   }
   if (gpt_oss) {
     // GptOssAttention: bias=config.attention_bias on q, k, v and o; sinks; GptOssMLP.
     c.qkv_bias = c.o_bias = optional_bool(j, "attention_bias", source, true);
     c.attention_sinks = true;
-    c.num_local_experts = optional_int(j, "num_local_experts", source, 128);
-    c.num_experts_per_tok = optional_int(j, "num_experts_per_tok", source, 4);
+    c.num_local_experts = optional_int(j, "num_local_experts", source, 128, 1, kMaxExperts);
+    c.num_experts_per_tok = optional_int(j, "num_experts_per_tok", source, 4, 1, kMaxExperts);
     if (c.num_local_experts < 1 || c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_local_experts) {
       fail("{}: num_experts_per_tok {} must be between 1 and num_local_experts {}", source, c.num_experts_per_tok,
            c.num_local_experts);
@@ -225,7 +228,7 @@ void parse_family_fields(const nlohmann::json& file_json, const std::string& sou
     if (const json* cap = field(j, "attn_logit_softcapping")) {
       fail("{}: attn_logit_softcapping {} is not supported (Gemma 3 checkpoints leave it null; transformers' "
            "default sdpa attention does not apply it either, only its eager path does)",
-           source, cap->dump());
+           source, json_excerpt(*cap));
     }
     c.query_pre_attn_scalar = optional_number(j, "query_pre_attn_scalar", source, 256.0);
     if (*c.query_pre_attn_scalar <= 0) fail("{}: query_pre_attn_scalar must be positive", source);

@@ -2,7 +2,9 @@
 
 #include "replica/core/error.h"
 #include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/io/files.h"
+#include "replica/models/config_json.h"
 #include "replica/models/mxfp4.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -36,6 +38,99 @@ bool is_carried_file(const std::string& name) {
   return kNames.count(name) || name.rfind("tokenizer", 0) == 0;
 }
 
+// DIR/model.safetensors.index.json's weight_map: tensor name -> DIR/shard file. Read as every
+// outside JSON is (regular file, bounded size and nesting); replica::Error naming the index.
+std::map<std::string, std::string> read_weight_index(const std::string& dir) {
+  const std::string index_path = (fs::path(dir) / "model.safetensors.index.json").string();
+  const json index = parse_json(read_file(index_path, config_json::kMaxIndexJsonBytes), index_path);
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    fail("{}: weight_map is missing or not an object", index_path);
+  }
+  std::map<std::string, std::string> file_of;
+  for (const auto& [tensor, file] : index["weight_map"].items()) {
+    if (!file.is_string()) {
+      fail("{}: weight_map entry {} is not a file name: {}", index_path, json_excerpt(json(tensor)), json_excerpt(file));
+    }
+    const std::string name = file.get<std::string>();
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+      fail("{}: weight_map entry {} names {}, not a file in the directory", index_path, json_excerpt(json(tensor)),
+           json_excerpt(file));
+    }
+    file_of[tensor] = (fs::path(dir) / name).string();
+  }
+  if (file_of.empty()) fail("{}: weight_map is empty", index_path);
+  return file_of;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+// Note [config against weights]
+// config.json sizes every tensor the model allocates, and a lying one (hidden_size 131072
+// beside a 2 MB model.safetensors) would have the model allocate far more than the files hold
+// before the first tensor's shape is compared. So before the model is built, the headers of the
+// weight files (read without their data) are held against the config: the embedding, layer 0's
+// projections and the last layer name the key that disagrees; and the parameters the sizes
+// imply at the least (embedding, attention and MLP weights, nothing else) must fit in the bytes
+// the files hold at 2 bytes per weight (the narrowest dtype replica loads; MXFP4 experts at
+// 17 bytes per 32). The shapes of every tensor are then checked exactly as it is loaded.
+void check_config_against_weights(const LlamaConfig& c, const std::string& config_path,
+                                  const std::vector<std::string>& files) {
+  std::map<std::string, std::pair<std::vector<int64_t>, std::string>> stored;  // name -> shape, file
+  double stored_bytes = 0;
+  for (const auto& path : files) {
+    for (const auto& t : io::read_safetensors_header(path)) {
+      double numel = 1;
+      for (int64_t d : t.shape) numel *= static_cast<double>(d);
+      stored_bytes += numel * static_cast<double>(c10::elementSize(t.dtype));
+      const std::string name = text_parameter_name(t.name, c.wrapper_model_type);
+      if (!name.empty()) stored[name] = {t.shape, path};
+    }
+  }
+  // Dimension `dim` of tensor `name` (when the files hold it) must be `want`, which `keys` gave.
+  auto expect = [&](const std::string& name, size_t dim, int64_t want, const std::string& keys) {
+    const auto it = stored.find(name);
+    if (it == stored.end()) return;
+    const auto& [shape, file] = it->second;
+    if (shape.size() > dim && shape[dim] == want) return;
+    fail("{}: {} is {}, but tensor {} in {} has shape {}", config_path, keys, want, name, file, shape_text(shape));
+  };
+  expect("model.embed_tokens.weight", 0, c.vocab_size, "vocab_size");
+  expect("model.embed_tokens.weight", 1, c.hidden_size, "hidden_size");
+  const std::string attn = "model.layers.0.self_attn.";
+  expect(attn + "q_proj.weight", 0, c.num_attention_heads * c.head_dim, "num_attention_heads x head_dim");
+  expect(attn + "q_proj.weight", 1, c.hidden_size, "hidden_size");
+  expect(attn + "k_proj.weight", 0, c.num_key_value_heads * c.head_dim, "num_key_value_heads x head_dim");
+  if (c.num_local_experts == 0) expect("model.layers.0.mlp.gate_proj.weight", 0, c.intermediate_size, "intermediate_size");
+  bool any_layer = false, last_layer = false;
+  const std::string last = fmt::format("model.layers.{}.", c.num_hidden_layers - 1);
+  for (const auto& [name, shape_file] : stored) {
+    any_layer = any_layer || starts_with(name, "model.layers.");
+    last_layer = last_layer || starts_with(name, last);
+  }
+  if (any_layer && !last_layer) {
+    fail("{}: num_hidden_layers is {}, but the weight files hold no tensor of layer {} ({}*)", config_path,
+         c.num_hidden_layers, c.num_hidden_layers - 1, last);
+  }
+
+  const double h = static_cast<double>(c.hidden_size), layers = static_cast<double>(c.num_hidden_layers);
+  const double attention = h * static_cast<double>(c.head_dim) * 2.0 *
+                           static_cast<double>(c.num_attention_heads + c.num_key_value_heads);
+  const double mlp = 3.0 * h * static_cast<double>(c.intermediate_size) *
+                     static_cast<double>(std::max<int64_t>(c.num_local_experts, 1));
+  const double parameters = static_cast<double>(c.vocab_size) * h + layers * (attention + mlp);
+  const double least_bytes =
+      2.0 * (static_cast<double>(c.vocab_size) * h + layers * attention) + layers * mlp * (c.mxfp4_experts ? 17.0 / 32 : 2.0);
+  if (least_bytes > stored_bytes) {
+    fail("{}: its sizes (vocab_size {}, hidden_size {}, intermediate_size {}, num_hidden_layers {}, "
+         "num_attention_heads {}, num_key_value_heads {}, head_dim {}{}) imply at least {:.4g} parameters "
+         "({:.4g} bytes), but the weight files ({}) hold only {:.4g} bytes",
+         config_path, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
+         c.num_key_value_heads, c.head_dim,
+         c.num_local_experts > 0 ? fmt::format(", num_local_experts {}", c.num_local_experts) : std::string(),
+         parameters, least_bytes, fmt::join(files, ", "), stored_bytes);
+  }
+}
+
 }  // namespace
 
 LlamaConfig read_hf_config(const std::string& dir) {
@@ -54,44 +149,19 @@ std::vector<std::string> hf_weight_files(const std::string& dir) {
     }
     fail("{}: no model.safetensors or model.safetensors.index.json", dir);
   }
-  json index;
-  try {
-    index = json::parse(read_file(index_path.string()));
-  } catch (const json::parse_error& e) {
-    fail("{}: not valid JSON: {}", index_path.string(), e.what());
-  }
-  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
-    fail("{}: weight_map is missing or not an object", index_path.string());
-  }
-  std::set<std::string> seen;
-  std::vector<std::string> files;
-  for (const auto& [tensor, file] : index["weight_map"].items()) {
-    if (!file.is_string()) fail("{}: weight_map entry {} is not a file name", index_path.string(), tensor);
-    const std::string name = file.get<std::string>();
-    if (name.find('/') != std::string::npos || name == "..") {
-      fail("{}: weight_map entry {} names {}, not a file in the directory", index_path.string(), tensor, name);
-    }
-    if (seen.insert(name).second) files.push_back((fs::path(dir) / name).string());
-  }
-  std::sort(files.begin(), files.end());
+  std::set<std::string> files;
+  for (const auto& [tensor, file] : read_weight_index(dir)) files.insert(file);
   for (const auto& f : files) {
     if (!fs::exists(f)) fail("{}: shard {} named in {} is missing", dir, f, index_path.string());
   }
-  if (files.empty()) fail("{}: weight_map is empty", index_path.string());
-  return files;
+  return {files.begin(), files.end()};
 }
 
 torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir, const QuantOptions& quant) {
   const auto files = hf_weight_files(dir);
   // Which shard the index says each tensor is in (checked when the shard is read).
   std::map<std::string, std::string> expected_file;
-  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
-  if (files.size() > 1 || fs::path(files[0]).filename() != "model.safetensors") {
-    json index = json::parse(read_file(index_path.string()));
-    for (const auto& [tensor, file] : index["weight_map"].items()) {
-      expected_file[tensor] = (fs::path(dir) / file.get<std::string>()).string();
-    }
-  }
+  if (files.size() > 1 || fs::path(files[0]).filename() != "model.safetensors") expected_file = read_weight_index(dir);
 
   std::map<std::string, torch::Tensor> params;
   for (const auto& item : model->named_parameters(/*recurse=*/true)) {
@@ -185,6 +255,8 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
 
 LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype, const QuantOptions& quant) {
   LlamaConfig config = read_hf_config(dir);
+  // Before anything is allocated: Note [config against weights].
+  check_config_against_weights(config, (fs::path(dir) / "config.json").string(), hf_weight_files(dir));
   LlamaForCausalLM model(config, dtype, /*init=*/false);
   load_hf_weights(model, dir, quant);
   return model;

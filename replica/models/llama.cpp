@@ -6,6 +6,8 @@
 #include "replica/models/llama.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/models/attention_sinks.h"
 #include "replica/models/chunked_cross_entropy.h"
 #include "replica/models/config_json.h"
@@ -20,7 +22,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
-#include <fstream>
+#include <filesystem>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -41,12 +43,13 @@ std::optional<int64_t> optional_token_id(const json& j, const char* key, const s
 // rope_scaling / rope_parameters: {"rope_type" (or "type"): "llama3" | "linear" | "yarn", ...}.
 std::optional<RopeScaling> parse_rope_scaling(const json& r, const char* key, const std::string& src,
                                               int64_t max_position_embeddings) {
-  if (!r.is_object()) fail("{}: {} must be an object or null, got {}", src, key, r.dump());
+  if (!r.is_object()) fail("{}: {} must be an object or null, got {}", src, key, json_excerpt(r));
   auto type = optional_string(r, "rope_type", src);
   if (!type) type = optional_string(r, "type", src);
   if (!type || *type == "default") return std::nullopt;
   if (*type != "llama3" && *type != "linear" && *type != "yarn") {
-    fail("{}: {} type '{}' is not supported (supported: llama3, linear, yarn, default)", src, key, *type);
+    fail("{}: {} type {} is not supported (supported: llama3, linear, yarn, default)", src, key,
+         quote_excerpt(*type));
   }
   RopeScaling s;
   s.rope_type = *type;
@@ -57,7 +60,7 @@ std::optional<RopeScaling> parse_rope_scaling(const json& r, const char* key, co
   if (*type == "yarn") {
     // _compute_yarn_parameters: original_max_position_embeddings falls back to the model's.
     s.original_max_position_embeddings =
-        optional_int(r, "original_max_position_embeddings", src, max_position_embeddings);
+        optional_int(r, "original_max_position_embeddings", src, max_position_embeddings, 1, kMaxPositions);
     s.attention_factor = optional_number(r, "attention_factor", src);
     s.beta_fast = optional_number(r, "beta_fast", src, 32.0);
     s.beta_slow = optional_number(r, "beta_slow", src, 1.0);
@@ -74,8 +77,8 @@ std::optional<RopeScaling> parse_rope_scaling(const json& r, const char* key, co
   }
   s.low_freq_factor = as_number(r["low_freq_factor"], "rope_scaling.low_freq_factor", src);
   s.high_freq_factor = as_number(r["high_freq_factor"], "rope_scaling.high_freq_factor", src);
-  s.original_max_position_embeddings =
-      as_int(r["original_max_position_embeddings"], "rope_scaling.original_max_position_embeddings", src);
+  s.original_max_position_embeddings = as_int(r["original_max_position_embeddings"],
+                                              "rope_scaling.original_max_position_embeddings", src, 1, kMaxPositions);
   if (!(s.high_freq_factor > s.low_freq_factor) || s.low_freq_factor <= 0) {
     fail("{}: {} needs 0 < low_freq_factor < high_freq_factor, got {} and {}", src, key,
          s.low_freq_factor, s.high_freq_factor);
@@ -122,7 +125,8 @@ torch::ScalarType dtype_from_string(const std::string& name, const std::string& 
   if (name == "float32" || name == "float") return torch::kFloat32;
   if (name == "bfloat16") return torch::kBFloat16;
   if (name == "float16" || name == "half") return torch::kFloat16;
-  fail("{}: torch_dtype '{}' is not supported (supported: float32, bfloat16, float16)", source, name);
+  fail("{}: torch_dtype {} is not supported (supported: float32, bfloat16, float16)", source,
+       quote_excerpt(name));
 }
 
 std::string dtype_to_string(torch::ScalarType dtype) {
@@ -136,12 +140,7 @@ std::string dtype_to_string(torch::ScalarType dtype) {
 }
 
 LlamaConfig parse_llama_config(const std::string& json_text, const std::string& source) {
-  json file_json;
-  try {
-    file_json = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    fail("{}: not valid JSON: {}", source, e.what());
-  }
+  const json file_json = parse_json(json_text, source);  // nesting bounded (core/json.h)
   if (!file_json.is_object()) fail("{}: not a JSON object", source);
 
   LlamaConfig c;
@@ -154,13 +153,14 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   family_spec(c.model_type, source);  // an unsupported model_type is an error naming the supported ones
   fill_family_defaults(j, c.model_type);
   if (const json* arch = field(j, "architectures")) {
-    if (!arch->is_array()) fail("{}: architectures must be a list, got {}", source, arch->dump());
+    if (!arch->is_array()) fail("{}: architectures must be a list, got {}", source, json_excerpt(*arch));
     for (const auto& a : *arch) {
-      if (!a.is_string()) fail("{}: architectures must list strings, got {}", source, a.dump());
+      if (!a.is_string()) fail("{}: architectures must list strings, got {}", source, json_excerpt(a));
       const std::string name = a.get<std::string>();
       const std::string suffix = "ForCausalLM";
       if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
-        fail("{}: architectures entry '{}' is not supported (replica loads *ForCausalLM models)", source, name);
+        fail("{}: architectures entry {} is not supported (replica loads *ForCausalLM models)", source,
+             quote_excerpt(name));
       }
     }
   }
@@ -168,7 +168,9 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
     // GPT-OSS's published checkpoints: the experts in MXFP4, dequantized as they are loaded
     // (models/mxfp4.h); every other quantization_config is refused.
     const bool mxfp4 = c.model_type == "gpt_oss" && q->is_object() && q->value("quant_method", json()) == json("mxfp4");
-    if (!mxfp4) fail("{}: quantization_config is not supported (quantized weights); got {}", source, q->dump());
+    if (!mxfp4) {
+      fail("{}: quantization_config is not supported (quantized weights); got {}", source, json_excerpt(*q));
+    }
     c.mxfp4_experts = true;
   }
   if (field(j, "partial_rotary_factor") &&
@@ -180,16 +182,17 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
   const bool olmo = c.model_type == "olmo2" || c.model_type == "olmo3";
   // Sizes: required, except where the config class has defaults that save_pretrained may
   // leave out (Gemma 3's text_config of a multimodal checkpoint lists only what differs).
-  auto size = [&](const char* key, int64_t gemma_default) {
+  // Each in [1, its bound] (Note [config.json bounds] in config_json.h).
+  auto size = [&](const char* key, int64_t gemma_default, int64_t max) {
     if (gemma && !field(j, key)) return gemma_default;
-    return required_int(j, key, source);
+    return required_int(j, key, source, max);
   };
-  c.vocab_size = size("vocab_size", 262208);
-  c.hidden_size = size("hidden_size", 2304);
-  c.intermediate_size = size("intermediate_size", 9216);
-  c.num_hidden_layers = size("num_hidden_layers", 26);
-  c.num_attention_heads = size("num_attention_heads", 8);
-  c.num_key_value_heads = field(j, "num_key_value_heads") ? required_int(j, "num_key_value_heads", source)
+  c.vocab_size = size("vocab_size", 262208, kMaxVocabSize);
+  c.hidden_size = size("hidden_size", 2304, kMaxHiddenSize);
+  c.intermediate_size = size("intermediate_size", 9216, kMaxIntermediateSize);
+  c.num_hidden_layers = size("num_hidden_layers", 26, kMaxLayers);
+  c.num_attention_heads = size("num_attention_heads", 8, kMaxHeads);
+  c.num_key_value_heads = field(j, "num_key_value_heads") ? required_int(j, "num_key_value_heads", source, kMaxHeads)
                           : gemma                         ? 4
                                                           : c.num_attention_heads;
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
@@ -197,7 +200,7 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
          c.num_attention_heads, c.num_key_value_heads);
   }
   if (field(j, "head_dim") || gemma) {
-    c.head_dim = gemma && !field(j, "head_dim") ? 256 : required_int(j, "head_dim", source);
+    c.head_dim = gemma && !field(j, "head_dim") ? 256 : required_int(j, "head_dim", source, kMaxHeadDim);
   } else {
     if (c.hidden_size % c.num_attention_heads != 0) {
       fail("{}: hidden_size {} is not a multiple of num_attention_heads {} (and head_dim is not given)",
@@ -209,7 +212,8 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
 
   c.rms_norm_eps = optional_number(j, "rms_norm_eps", source, olmo ? 1e-5 : 1e-6);
   c.rope_theta = optional_number(j, "rope_theta", source, gemma ? 1e6 : 10000.0);
-  c.max_position_embeddings = optional_int(j, "max_position_embeddings", source, gemma ? 131072 : 2048);
+  c.max_position_embeddings =
+      optional_int(j, "max_position_embeddings", source, gemma ? 131072 : 2048, 1, kMaxPositions);
   if (const json* r = field(j, "rope_scaling")) {
     c.rope_scaling = parse_rope_scaling(*r, "rope_scaling", source, c.max_position_embeddings);
   }
@@ -277,11 +281,9 @@ LlamaConfig parse_llama_config(const std::string& json_text, const std::string& 
 }
 
 LlamaConfig read_llama_config_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot open (a model directory needs config.json)", path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return parse_llama_config(buffer.str(), path);
+  if (!std::filesystem::exists(path)) fail("{}: missing (a model directory needs config.json)", path);
+  // Regular files only, never blocking on a FIFO, and bounded: config.json is a few KB.
+  return parse_llama_config(read_file(path, kMaxConfigJsonBytes), path);
 }
 
 double LlamaConfig::attention_scale() const {
@@ -292,7 +294,7 @@ double LlamaConfig::attention_scale() const {
 std::string LlamaConfig::to_json_string() const {
   json j;
   if (!json_text.empty()) {
-    j = json::parse(json_text);
+    j = parse_json(json_text, "config.json");  // parsed (and checked) once already
     if (j.contains("dtype") && !j.contains("torch_dtype")) {
       j["dtype"] = torch_dtype;
     } else {

@@ -6,7 +6,9 @@
 
 #include "replica/core/error.h"
 #include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/io/files.h"
+#include "replica/models/config_json.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -413,18 +415,15 @@ void save_adapter(const torch::nn::Module& model, const LoraConfig& config, cons
   write_file_atomically((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
 }
 
+// The largest adapter rank read from adapter_config.json: published adapters use up to 256
+// (PEFT's docs go to 1024); 65536 is no adapter anyone trains, and bounds what r allocates.
+constexpr int64_t kMaxLoraRank = int64_t{1} << 16;
+
 LoraConfig read_adapter_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "adapter_config.json").string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot open (an adapter directory needs adapter_config.json)", path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(buffer.str());
-  } catch (const json::parse_error& e) {
-    fail("{}: not valid JSON: {}", path, e.what());
-  }
+  if (!fs::exists(path)) fail("{}: missing (an adapter directory needs adapter_config.json)", path);
+  // Regular files only (a FIFO is refused, not waited on), bounded size and nesting.
+  const json j = parse_json(read_file(path, config_json::kMaxConfigJsonBytes), path);
   if (!j.is_object()) fail("{}: not a JSON object", path);
   auto get = [&](const char* key) -> const json* {
     auto it = j.find(key);
@@ -437,32 +436,31 @@ LoraConfig read_adapter_config(const std::string& dir) {
 
   const json* type = get("peft_type");
   if (!type || !type->is_string() || type->get<std::string>() != "LORA") {
-    fail("{}: peft_type {} is not supported (only LORA)", path, type ? type->dump() : "missing");
+    fail("{}: peft_type {} is not supported (only LORA)", path, type ? json_excerpt(*type) : "missing");
   }
   if (const json* task = get("task_type"); task && (!task->is_string() || task->get<std::string>() != "CAUSAL_LM")) {
-    fail("{}: task_type {} is not supported (only CAUSAL_LM)", path, task->dump());
+    fail("{}: task_type {} is not supported (only CAUSAL_LM)", path, json_excerpt(*task));
   }
   for (const char* key : {"use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform",
                           "layer_replication", "exclude_modules", "target_parameters", "lora_bias",
                           "trainable_token_indices", "alora_invocation_tokens", "arrow_config", "use_qalora"}) {
-    if (non_empty(key)) fail("{}: {} = {} is not supported", path, key, get(key)->dump());
+    if (non_empty(key)) fail("{}: {} = {} is not supported", path, key, json_excerpt(*get(key)));
   }
   if (const json* b = get("bias"); b && (!b->is_string() || b->get<std::string>() != "none")) {
-    fail("{}: bias {} is not supported (only \"none\")", path, b->dump());
+    fail("{}: bias {} is not supported (only \"none\")", path, json_excerpt(*b));
   }
 
   LoraConfig c;
   const json* r = get("r");
-  if (!r || !r->is_number_integer() || r->get<int64_t>() < 1) {
-    fail("{}: r must be a positive integer, got {}", path, r ? r->dump() : "missing");
-  }
-  c.r = r->get<int64_t>();
+  if (!r) fail("{}: r must be a positive integer, got missing", path);
+  // The rank sizes every adapter matrix: bounded before anything is allocated (load_adapter
+  // then holds it against the file's lora_A shapes).
+  c.r = config_json::as_int(*r, "r", path, 1, kMaxLoraRank);
   const json* alpha = get("lora_alpha");
-  if (!alpha || !alpha->is_number()) fail("{}: lora_alpha must be a number, got {}", path, alpha ? alpha->dump() : "missing");
-  c.lora_alpha = alpha->get<double>();
+  if (!alpha) fail("{}: lora_alpha must be a number, got missing", path);
+  c.lora_alpha = config_json::as_number(*alpha, "lora_alpha", path);
   if (const json* d = get("lora_dropout")) {
-    if (!d->is_number()) fail("{}: lora_dropout must be a number, got {}", path, d->dump());
-    c.lora_dropout = d->get<double>();
+    c.lora_dropout = config_json::as_number(*d, "lora_dropout", path);
   } else {
     c.lora_dropout = 0.0;
   }
@@ -479,11 +477,11 @@ LoraConfig read_adapter_config(const std::string& dir) {
   } else if (targets->is_array()) {
     c.target_modules.clear();
     for (const auto& t : *targets) {
-      if (!t.is_string()) fail("{}: target_modules must list strings, got {}", path, t.dump());
+      if (!t.is_string()) fail("{}: target_modules must list strings, got {}", path, json_excerpt(t));
       c.target_modules.push_back(t.get<std::string>());
     }
   } else {
-    fail("{}: target_modules must be a list or a string, got {}", path, targets->dump());
+    fail("{}: target_modules must be a list or a string, got {}", path, json_excerpt(*targets));
   }
   if (const json* base = get("base_model_name_or_path"); base && base->is_string()) {
     c.base_model_name_or_path = base->get<std::string>();
@@ -500,7 +498,19 @@ LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir) {
     }
     fail("{}: adapter_model.safetensors is missing", weights.string());
   }
-  auto file = io::load_safetensors(weights.string());
+  auto file = io::load_safetensors(weights.string());  // refuses non-finite values
+  // r sizes every adapter matrix apply_lora allocates: held against the file's lora_A shapes
+  // ([r, in_features]) first, so a lying adapter_config.json allocates nothing.
+  bool any_lora_a = false;
+  for (const auto& [name, tensor] : file.tensors) {
+    if (name.find(".lora_A.") == std::string::npos) continue;
+    any_lora_a = true;
+    if (tensor.dim() != 2 || tensor.size(0) != config.r) {
+      fail("{}: r is {}, but tensor {} in {} has shape {}", (fs::path(dir) / "adapter_config.json").string(),
+           config.r, name, weights.string(), c10::str(tensor.sizes()));
+    }
+  }
+  if (!any_lora_a) fail("{}: holds no lora_A tensor: not a LoRA adapter", weights.string());
   apply_lora(model, config);
   load_lora_state_dict(model, file.tensors, weights.string());
   return config;

@@ -16,10 +16,29 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
 namespace replica::models {
+
+// Note [model size bounds]
+// The sizes of replica's own models come from YAML keys and from data (hidden_sizes,
+// embedding_dim, the largest id): a mistyped one (hidden_sizes: [2147483647]) would ask
+// LibTorch for terabytes. Each width is bounded where its key is checked, and the whole
+// model's parameter count where the model is sized, before anything is allocated: 2^32
+// parameters (16 GiB in fp32, before gradients and optimizer state) is beyond any model these
+// tasks train, and below what would exhaust a machine before the first step.
+inline constexpr int64_t kMaxLayerWidth = int64_t{1} << 16;
+inline constexpr int64_t kMaxModelParameters = int64_t{1} << 32;
+
+// "" when every width is in [1, kMaxLayerWidth], else "must list widths from 1 to 65536, got
+// W": a key's check (params.hidden_sizes).
+std::string layer_widths_problem(const std::vector<int64_t>& widths);
+// The weights and biases of MLP(in_features, hidden_sizes, out_features), saturating at
+// INT64_MAX instead of wrapping.
+int64_t mlp_parameter_count(int64_t in_features, const std::vector<int64_t>& hidden_sizes, int64_t out_features);
 
 class MLPImpl : public torch::nn::Module, public HookedLayers {
  public:

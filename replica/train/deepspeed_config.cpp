@@ -2,17 +2,26 @@
 
 #include "replica/core/error.h"
 #include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/train/loss_scale.h"
 
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <limits>
 #include <set>
 
 namespace replica::train {
 namespace {
 
 using json = nlohmann::json;
+
+// The widest integer a field is read as: a double holds every integer up to 2^53 exactly, so
+// a value checked against this (or a narrower type's maximum) converts without wrapping.
+constexpr int64_t kMaxExactInteger = int64_t{1} << 53;
+constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+// DeepSpeed configs are a few KB.
+constexpr std::uint64_t kMaxDeepSpeedJsonBytes = std::uint64_t{16} << 20;
 
 // Note [DeepSpeed config]
 // What each field of a DeepSpeed config becomes ("auto" always leaves replica's value, as the
@@ -54,13 +63,13 @@ class Reader {
       const std::string& f = it.key();
       const json& v = it.value();
       if (f == "train_micro_batch_size_per_gpu") {
-        if (const auto n = integer(f, v, 1)) set("batch_size", c_.params.batch_size, static_cast<int>(*n), f);
+        if (const auto n = integer(f, v, 1, kMaxInt)) set("batch_size", c_.params.batch_size, static_cast<int>(*n), f);
       } else if (f == "gradient_accumulation_steps") {
-        if (const auto n = integer(f, v, 1)) {
+        if (const auto n = integer(f, v, 1, kMaxInt)) {
           set("gradient_accumulation", c_.params.gradient_accumulation, static_cast<int>(*n), f);
         }
       } else if (f == "train_batch_size") {
-        if (const auto n = integer(f, v, 1)) c_.params.deepspeed_train_batch_size = *n;
+        if (const auto n = integer(f, v, 1, kMaxExactInteger)) c_.params.deepspeed_train_batch_size = *n;
       } else if (f == "gradient_clipping") {
         if (const auto x = number(f, v)) set("max_grad_norm", c_.params.max_grad_norm, *x, f);
       } else if (f == "bf16" || f == "fp16") {
@@ -91,35 +100,49 @@ class Reader {
 
   static bool is_auto(const json& v) { return v.is_string() && v.get<std::string>() == "auto"; }
 
-  std::optional<double> number(const std::string& field, const json& v) const {
-    if (is_auto(v)) return std::nullopt;
-    if (!v.is_number()) fail("{}: field '{}' must be a number or \"auto\", got {}", file_, field, v.dump());
-    return v.get<double>();
+  // A value as messages show it: a string in quotes, cut to 60 characters; else json_excerpt.
+  static std::string shown(const json& v) {
+    if (!v.is_string()) return json_excerpt(v);
+    const std::string& text = v.get_ref<const std::string&>();
+    return "'" + (text.size() <= 60 ? text : text.substr(0, 60) + "...") + "'";
   }
 
-  std::optional<int64_t> integer(const std::string& field, const json& v, int64_t min) const {
+  std::optional<double> number(const std::string& field, const json& v) const {
+    if (is_auto(v)) return std::nullopt;
+    if (!v.is_number()) fail("{}: field '{}' must be a number or \"auto\", got {}", file_, field, json_excerpt(v));
+    const double x = v.get<double>();
+    if (!std::isfinite(x)) fail("{}: field '{}' must be a finite number, got {}", file_, field, json_excerpt(v));
+    return x;
+  }
+
+  // Every integer field is read here: range-checked as a double, then narrowed, so that 1e18
+  // is an error naming the field instead of a wrapped batch size.
+  std::optional<int64_t> integer(const std::string& field, const json& v, int64_t min, int64_t max) const {
     const auto x = number(field, v);
     if (!x) return std::nullopt;
-    if (std::floor(*x) != *x || *x < static_cast<double>(min)) {
-      fail("{}: field '{}' must be an integer >= {}, got {}", file_, field, min, v.dump());
+    if (std::floor(*x) != *x || *x < static_cast<double>(min) || *x > static_cast<double>(max)) {
+      fail("{}: field '{}' must be an integer from {} to {}, got {}", file_, field, min, max, json_excerpt(v));
     }
     return static_cast<int64_t>(*x);
   }
 
   std::optional<bool> boolean(const std::string& field, const json& v) const {
     if (is_auto(v)) return std::nullopt;
-    if (!v.is_boolean()) fail("{}: field '{}' must be true, false or \"auto\", got {}", file_, field, v.dump());
+    if (!v.is_boolean()) {
+      fail("{}: field '{}' must be true, false or \"auto\", got {}", file_, field, json_excerpt(v));
+    }
     return v.get<bool>();
   }
 
   // A field accepted only with the value replica's behaviour matches.
   void require_value(const std::string& field, const json& v, const json& wanted, const std::string& why) const {
     if (is_auto(v) || v == wanted) return;
-    fail("{}: field '{}' is {}; replica supports only {} ({})", file_, field, v.dump(), wanted.dump(), why);
+    fail("{}: field '{}' is {}; replica supports only {} ({})", file_, field, json_excerpt(v), json_excerpt(wanted),
+         why);
   }
 
   const json& object(const std::string& field, const json& v) const {
-    if (!v.is_object()) fail("{}: field '{}' must be a JSON object, got {}", file_, field, v.dump());
+    if (!v.is_object()) fail("{}: field '{}' must be a JSON object, got {}", file_, field, json_excerpt(v));
     return v;
   }
 
@@ -185,7 +208,8 @@ class Reader {
     for (const auto& f : fp16_fields_) {
       if (is_auto(f.value)) continue;
       if (!f.value.is_number() || f.value.get<double>() != f.wanted) {
-        fail("{}: field '{}' is {}; replica supports only {} ({})", file_, f.field, f.value.dump(), f.wanted, f.why);
+        fail("{}: field '{}' is {}; replica supports only {} ({})", file_, f.field, json_excerpt(f.value), f.wanted,
+             f.why);
       }
     }
   }
@@ -194,14 +218,14 @@ class Reader {
     object("optimizer", v);
     for (auto it = v.begin(); it != v.end(); ++it) {
       if (it.key() == "type") {
-        const std::string type = it.value().is_string() ? it.value().get<std::string>() : it.value().dump();
+        const std::string type = it.value().is_string() ? it.value().get<std::string>() : std::string();
         std::string lower = type;
         for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
         // DeepSpeed's Adam is AdamW unless adam_w_mode is false.
         if (lower != "adamw" && lower != "adam") {
-          fail("{}: optimizer.type '{}' is not implemented by replica (Adam/AdamW; or leave out the optimizer "
+          fail("{}: optimizer.type {} is not implemented by replica (Adam/AdamW; or leave out the optimizer "
                "section and set params.optimizer)",
-               file_, type);
+               file_, shown(it.value()));
         }
         set("optimizer", c_.params.optimizer, OptimizerKind::AdamW, "optimizer.type");
       } else if (it.key() == "params") {
@@ -234,7 +258,7 @@ class Reader {
     object("scheduler", v);
     for (auto it = v.begin(); it != v.end(); ++it) {
       if (it.key() == "type") {
-        const std::string type = it.value().is_string() ? it.value().get<std::string>() : it.value().dump();
+        const std::string type = it.value().is_string() ? it.value().get<std::string>() : std::string();
         SchedulerKind kind;
         if (type == "WarmupLR") {
           kind = SchedulerKind::Constant;
@@ -243,8 +267,8 @@ class Reader {
         } else if (type == "WarmupCosineLR") {
           kind = SchedulerKind::Cosine;
         } else {
-          fail("{}: scheduler.type '{}' is not implemented by replica (WarmupLR, WarmupDecayLR, WarmupCosineLR)",
-               file_, type);
+          fail("{}: scheduler.type {} is not implemented by replica (WarmupLR, WarmupDecayLR, WarmupCosineLR)",
+               file_, shown(it.value()));
         }
         set("scheduler", c_.params.scheduler, kind, "scheduler.type");
       } else if (it.key() == "params") {
@@ -253,7 +277,9 @@ class Reader {
           const std::string field = "scheduler.params." + q.key();
           const json& x = q.value();
           if (q.key() == "warmup_num_steps") {
-            if (const auto n = integer(field, x, 0)) set("warmup_steps", c_.params.warmup_steps, *n, field);
+            if (const auto n = integer(field, x, 0, kMaxExactInteger)) {
+              set("warmup_steps", c_.params.warmup_steps, *n, field);
+            }
           } else if (q.key() == "warmup_max_lr") {
             if (const auto lr = number(field, x)) set("lr", c_.params.lr, *lr, field);
           } else if (q.key() == "warmup_min_lr" || q.key() == "warmup_min_ratio" || q.key() == "cos_min_ratio") {
@@ -281,10 +307,10 @@ class Reader {
       if (it.key() == "device") {
         if (is_auto(x)) continue;
         const auto d = x.is_string() ? enum_from<OffloadDevice>(x.get<std::string>()) : std::nullopt;
-        if (!d) fail("{}: field '{}' must be none, cpu or nvme, got {}", file_, field, x.dump());
+        if (!d) fail("{}: field '{}' must be none, cpu or nvme, got {}", file_, field, json_excerpt(x));
         set(key_name, c_.params.*device_key, *d, field);
       } else if (it.key() == "nvme_path") {
-        if (!x.is_string()) fail("{}: field '{}' must be a directory path, got {}", file_, field, x.dump());
+        if (!x.is_string()) fail("{}: field '{}' must be a directory path, got {}", file_, field, json_excerpt(x));
         set("nvme_path", c_.params.nvme_path, x.get<std::string>(), field);
       } else if (it.key() == "pin_memory") {
         boolean(field, x);  // replica pins the host copies of offloaded CUDA state either way
@@ -301,7 +327,7 @@ class Reader {
       const json& x = it.value();
       const std::string& k = it.key();
       if (k == "stage") {
-        const auto n = integer(field, x, 0);
+        const auto n = integer(field, x, 0, kMaxInt);
         if (!n) continue;
         if (*n > 3) fail("{}: field '{}' must be 0, 1, 2 or 3, got {}", file_, field, *n);
         set("zero_stage", c_.params.zero_stage, static_cast<int>(*n), field);
@@ -321,7 +347,7 @@ class Reader {
                                     : k == "stage3_max_live_parameters"          ? &RunParams::stage3_max_live_parameters
                                                                                  : &RunParams::stage3_max_reuse_distance;
         if (const auto d = number(field, x)) {
-          if (*d < 0) fail("{}: field '{}' must be >= 0, got {}", file_, field, x.dump());
+          if (*d < 0) fail("{}: field '{}' must be >= 0, got {}", file_, field, json_excerpt(x));
           set(k, c_.params.*member, *d, field);
         }
       } else if (k == "contiguous_gradients" || k == "allgather_partitions" || k == "reduce_scatter") {
@@ -358,17 +384,12 @@ void apply_deepspeed_config(RunConfig& config, const KeyLocation& loc) {
   if (file.empty()) return;
   std::string text;
   try {
-    text = read_file(file);
+    text = read_file(file, kMaxDeepSpeedJsonBytes);  // regular files only: never a FIFO's hang
   } catch (const Error& e) {
     fail("{}key 'params.deepspeed': {}", loc.where("params.deepspeed"), e.what());
   }
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::parse_error& e) {
-    fail("{}: not valid JSON: {}", file, e.what());
-  }
-  Reader(config, loc, file).read(root);
+  // Nesting bounded (core/json.h): a value nested 10^6 deep is refused, not walked.
+  Reader(config, loc, file).read(parse_json(text, file));
 }
 
 void apply_deepspeed_config(RunConfig& config) { apply_deepspeed_config(config, KeyLocation("", false)); }

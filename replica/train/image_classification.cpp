@@ -83,6 +83,14 @@ class ImageClassification final : public Workload {
     const int64_t pixels = train_.images.size(1) * train_.images.size(2);
     in_features_ = pixels;
     if (kind_ == "mlp") {
+      // Each width was checked with its key; their product is checked here, where the image
+      // size is known, before anything is allocated (models/mlp.h: Note [model size bounds]).
+      const int64_t parameters = models::mlp_parameter_count(pixels, hidden_, 10);
+      if (parameters > models::kMaxModelParameters) {
+        fail("{}: key 'params.hidden_sizes' [{}] gives an MLP of {} parameters on {}-pixel images, more than the {} "
+             "replica builds",
+             where, fmt::join(hidden_, ", "), parameters, pixels, models::kMaxModelParameters);
+      }
       mlp_ = models::MLP(pixels, hidden_, 10);
       module_ = mlp_.ptr();
     } else {
@@ -249,7 +257,9 @@ TaskSpec image_classification_task() {
   const auto i = &RunConfig::image;
   using I = ImageParams;
   t.keys = {
-      key("hidden_sizes", i, &I::hidden_sizes, "mlp: widths of the hidden layers").group("Model"),
+      key("hidden_sizes", i, &I::hidden_sizes, "mlp: widths of the hidden layers")
+          .group("Model")
+          .check(models::layer_widths_problem),
       key("sync_batchnorm", i, &I::sync_batchnorm, "resnet18: batch statistics across all workers").group("Model"),
       key("augment", i, &I::augment, "resnet18: random crop (padding 4) and horizontal flip").group("Model"),
       key("resnet_stem", i, &I::resnet_stem,

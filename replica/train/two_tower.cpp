@@ -21,6 +21,7 @@
 #include "replica/train/workload.h"
 
 #include "replica/core/error.h"
+#include "replica/core/json.h"
 #include "replica/data/mds.h"
 #include "replica/data/records.h"
 #include "replica/ddp/sync_batchnorm.h"
@@ -208,9 +209,9 @@ Interactions read_records_split(const std::string& file, ColumnNames& names, boo
       auto it = record.find(key);
       if (it == record.end()) fail("{}:{}: key '{}'{} is missing", file, line, key, role);
       const std::optional<int64_t> v = integer_value(*it, csv);
-      if (!v) fail("{}:{}: key '{}': {} is not an integer id", file, line, key, it->dump());
+      if (!v) fail("{}:{}: key '{}': {} is not an integer id", file, line, key, json_excerpt(*it));
       if (*v < 0 || *v > kMaxId) {
-        fail("{}:{}: key '{}': id {} is out of range (0 to {})", file, line, key, it->dump(), kMaxId);
+        fail("{}:{}: key '{}': id {} is out of range (0 to {})", file, line, key, json_excerpt(*it), kMaxId);
       }
       cols[c].data_ptr<int64_t>()[i] = *v;
     }
@@ -225,6 +226,28 @@ Interactions read_split(const RunConfig& config, const std::string& split, Colum
       source.mds ? read_mds_split(source.path, names, discover) : read_records_split(source.path, names, discover);
   if (out.size == 0) fail("{}: split '{}' holds no interactions", source.path, split);
   return out;
+}
+
+// The tables are sized by the data's largest ids and the towers by the keys: their parameters
+// together are bounded before anything is allocated (models/mlp.h: Note [model size bounds]),
+// naming what sized them.
+void check_model_size(const models::TwoTowerOptions& o, const std::string& where) {
+  int64_t rows = 0;
+  for (int64_t v : o.user_feature_vocab) rows += v;  // each <= 2^31: no overflow
+  for (int64_t v : o.item_feature_vocab) rows += v;
+  const int64_t table_rows = o.num_users + o.num_items + rows;
+  const int64_t in_features = o.embedding_dim * static_cast<int64_t>(1 + std::max(o.user_feature_vocab.size(),
+                                                                                     o.item_feature_vocab.size()));
+  const int64_t towers = models::mlp_parameter_count(in_features, o.hidden_sizes, o.output_dim);
+  int64_t total = 0;
+  if (__builtin_mul_overflow(table_rows, o.embedding_dim, &total) || __builtin_add_overflow(total, towers, &total) ||
+      __builtin_add_overflow(total, towers, &total) || total > models::kMaxModelParameters) {
+    fail("{}: the two-tower model would hold more than {} parameters: {} embedding rows (num_users {} and num_items "
+         "{} from the largest ids in the data, plus the feature tables) of key 'params.embedding_dim' {}, and towers "
+         "of key 'params.hidden_sizes' [{}]",
+         where, models::kMaxModelParameters, table_rows, o.num_users, o.num_items, o.embedding_dim,
+         fmt::join(o.hidden_sizes, ", "));
+  }
 }
 
 ColumnNames id_columns(const RunConfig& config) {
@@ -259,6 +282,7 @@ class TwoTowerWorkload final : public Workload {
     o.embedding_dim = config.two_tower.embedding_dim;
     o.output_dim = config.two_tower.embedding_dim;
     o.hidden_sizes = config.two_tower.hidden_sizes;
+    check_model_size(o, config.source.empty() ? "config" : config.source);
     model_ = models::TwoTower(o);
 
     // The catalogue: every item's features (the last value seen; items never seen keep 0).
@@ -384,10 +408,16 @@ TaskSpec two_tower_task() {
   const auto tt = &RunConfig::two_tower;
   using T = TwoTowerParams;
   t.keys = {
-      key("hidden_sizes", tt, &T::hidden_sizes, "widths of each tower's hidden layers").group("Model"),
+      key("hidden_sizes", tt, &T::hidden_sizes, "widths of each tower's hidden layers")
+          .group("Model")
+          .check(models::layer_widths_problem),
       key("embedding_dim", tt, &T::embedding_dim, "id and feature embeddings; also each tower's output")
           .group("Model")
-          .at_least(1),
+          .at_least(1)
+          .check([](const int64_t& d) {
+            return d > models::kMaxLayerWidth ? fmt::format("must be <= {}, got {}", models::kMaxLayerWidth, d)
+                                              : std::string();
+          }),
       key("temperature", tt, &T::temperature, "in-batch softmax temperature").group("Model").positive(),
       key("top_k", tt, &T::top_k, "k of eval_recall_at_k and eval_ndcg_at_k").group("Model").at_least(1),
   };

@@ -1,13 +1,15 @@
 #include "replica/zero/checkpoint.h"
 
 #include "replica/core/error.h"
+#include "replica/core/files.h"
+#include "replica/core/json.h"
 #include "replica/io/files.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <map>
 
 namespace fs = std::filesystem;
@@ -19,18 +21,58 @@ std::string rank_file(const std::string& dir, int rank) {
   return (fs::path(dir) / fmt::format("rank-{}.safetensors", rank)).string();
 }
 
+// The largest world a checkpoint is read back from; beyond any job replica runs.
+constexpr int64_t kMaxWorldSize = int64_t{1} << 20;
+// Element counts and offsets: exact in a double, far beyond any tensor.
+constexpr int64_t kMaxNumel = int64_t{1} << 53;
+
+// metadata.json, read as every outside JSON is (regular file, bounded size and nesting) and
+// checked whole here, so that what reads it later (world_size, groups' numel/shard, params'
+// shape/offset) narrows only values known to be in range.
 nlohmann::json read_metadata(const std::string& dir) {
   const std::string path = (fs::path(dir) / "metadata.json").string();
-  std::ifstream in(path);
-  if (!in) fail("{}: cannot open the ZeRO-3 checkpoint metadata", path);
-  nlohmann::json j;
-  try {
-    in >> j;
-    if (j.at("format").get<std::string>() != "replica-zero3") fail("{}: format is not replica-zero3", path);
-    if (j.at("world_size").get<int>() < 1) fail("{}: world_size must be at least 1", path);
-    j.at("groups").get<nlohmann::json::array_t>();
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: not valid ZeRO-3 metadata: {}", path, e.what());
+  if (!fs::exists(path)) fail("{}: cannot open the ZeRO-3 checkpoint metadata", path);
+  const nlohmann::json j = parse_json(read_file(path, std::uint64_t{256} << 20), path);
+  auto integer = [&](const nlohmann::json& v, const std::string& what, int64_t min, int64_t max) {
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(max)) ||
+        v.get<int64_t>() < min || v.get<int64_t>() > max) {
+      fail("{}: {} must be an integer from {} to {}, got {}", path, what, min, max, json_excerpt(v));
+    }
+    return v.get<int64_t>();
+  };
+  auto member = [&](const nlohmann::json& object, const char* key, const std::string& where) -> const nlohmann::json& {
+    if (!object.is_object() || !object.contains(key)) fail("{}: {} has no '{}'", path, where, key);
+    return object.at(key);
+  };
+  if (!j.is_object() || j.value("format", nlohmann::json()) != nlohmann::json("replica-zero3")) {
+    fail("{}: format is not replica-zero3", path);
+  }
+  integer(member(j, "world_size", "the metadata"), "world_size", 1, kMaxWorldSize);
+  const auto& groups = member(j, "groups", "the metadata");
+  if (!groups.is_array()) fail("{}: groups must be a list, got {}", path, json_excerpt(groups));
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string where = fmt::format("groups[{}]", g);
+    const auto& group = groups[g];
+    if (!member(group, "name", where).is_string()) fail("{}: {}.name must be a string", path, where);
+    if (group.contains("dtype") && !group["dtype"].is_string()) fail("{}: {}.dtype must be a string", path, where);
+    const int64_t numel = integer(member(group, "numel", where), where + ".numel", 0, kMaxNumel);
+    integer(member(group, "shard", where), where + ".shard", 0, kMaxNumel);
+    const auto& params = member(group, "params", where);
+    if (!params.is_array()) fail("{}: {}.params must be a list", path, where);
+    for (size_t p = 0; p < params.size(); ++p) {
+      const std::string at = fmt::format("{}.params[{}]", where, p);
+      if (!member(params[p], "name", at).is_string()) fail("{}: {}.name must be a string", path, at);
+      const auto& shape = member(params[p], "shape", at);
+      if (!shape.is_array()) fail("{}: {}.shape must be a list, got {}", path, at, json_excerpt(shape));
+      int64_t n = 1;
+      for (const auto& d : shape) {
+        if (__builtin_mul_overflow(n, integer(d, at + ".shape", 0, kMaxNumel), &n) || n > kMaxNumel) {
+          fail("{}: {}.shape {} is too large", path, at, json_excerpt(shape));
+        }
+      }
+      const int64_t offset = integer(member(params[p], "offset", at), at + ".offset", 0, kMaxNumel);
+      if (offset + n > numel) fail("{}: {} (shape {}) lies outside its group", path, at, json_excerpt(shape));
+    }
   }
   return j;
 }
@@ -77,7 +119,12 @@ torch::Tensor joined(const SavedShards& s, const std::string& name, int64_t nume
     if (it == s.ranks[r].end()) fail("rank-{}.safetensors: tensor '{}' is missing", r, name);
     parts.push_back(it->second.reshape(-1));
   }
-  return torch::cat(parts).narrow(0, 0, numel);
+  torch::Tensor all = torch::cat(parts);
+  if (all.numel() < numel) {
+    fail("{}: the ranks' shards of '{}' hold {} elements, metadata.json says {}", "rank-*.safetensors", name,
+         all.numel(), numel);
+  }
+  return all.narrow(0, 0, numel);
 }
 
 }  // namespace

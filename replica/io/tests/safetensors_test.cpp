@@ -5,8 +5,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -290,7 +297,7 @@ TEST_F(SafetensorsTest, TruncatedAndShortFilesAreErrors) {
   write_bytes(huge, std::string("\xff\xff\xff\xff\xff\xff\xff\xff{}", 10));
   EXPECT_NE(load_error(huge).find("is larger than the rest of the file"), std::string::npos);
 
-  EXPECT_NE(load_error(file("absent.safetensors")).find("absent.safetensors: cannot open"),
+  EXPECT_NE(load_error(file("absent.safetensors")).find("cannot open '" + file("absent.safetensors") + "': No such file"),
             std::string::npos);
 
   // Every strict prefix of a valid file is refused with a replica::Error.
@@ -343,6 +350,116 @@ TEST_F(SafetensorsTest, CorruptedHeadersNeverCrash) {
     }
   }
   EXPECT_GT(errors, 1000);  // most corruptions are detected
+}
+
+
+// Runs `load` in a child process that SIGALRM ends after 20 s, and returns the replica::Error
+// message it threw: a load that would hang (a FIFO opened before it is checked) or overflow
+// the stack (a header nested 500,000 deep) fails the test instead of hanging or crashing it.
+std::string error_in_child(const std::function<void()>& load) {
+  int fds[2];
+  if (::pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::alarm(20);
+    std::string out = "(no error)";
+    try {
+      load();
+    } catch (const replica::Error& e) {
+      out = e.what();
+    } catch (const std::exception& e) {
+      out = std::string("(not a replica::Error) ") + e.what();
+    }
+    for (size_t done = 0; done < out.size();) {
+      const ssize_t n = ::write(fds[1], out.data() + done, out.size() - done);
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (WIFSIGNALED(status)) {
+    return "(child killed by signal " + std::to_string(WTERMSIG(status)) + (WTERMSIG(status) == SIGALRM ? ": it hung)" : ")");
+  }
+  return out;
+}
+
+TEST_F(SafetensorsTest, AShapeNestedHalfAMillionDeepIsRefusedWithoutRecursing) {
+  // Before: the header parsed, then formatting "shape entry [[[...]]] is not an integer"
+  // overflowed the stack.
+  const std::string deep = std::string(500000, '[') + std::string(500000, ']');
+  const std::string path = raw_file(R"({"w":{"dtype":"F32","shape":[)" + deep + R"(],"data_offsets":[0,0]}})", 0);
+  EXPECT_EQ(error_in_child([&] { load_safetensors(path); }),
+            path + ": header JSON nested more than 128 levels deep");
+}
+
+TEST_F(SafetensorsTest, MessagesShowAnExcerptOfAnOffendingValue) {
+  const std::string long_dtype(1 << 20, 'X');
+  std::string message =
+      load_error(raw_file(R"({"w":{"dtype":")" + long_dtype + R"(","shape":[1],"data_offsets":[0,4]}})", 4));
+  EXPECT_NE(message.find("tensor 'w': unsupported dtype 'XXXX"), std::string::npos) << message.substr(0, 300);
+  EXPECT_LT(message.size(), 400u);
+  message = load_error(raw_file(R"({"w":{"dtype":"F32","shape":[[1, 2, [3, [4, [5, [6]]]]]],"data_offsets":[0,4]}})", 4));
+  EXPECT_NE(message.find("shape entry [1, 2, [3, [4, [5, [...]]]]] is not an integer"), std::string::npos) << message;
+}
+
+TEST_F(SafetensorsTest, AFifoIsRefusedWithoutBlocking) {
+  // Before: open() without O_NONBLOCK waited for a writer that never came.
+  const std::string fifo = file("model.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(error_in_child([&] { load_safetensors(fifo); }),
+            "'" + fifo + "' is a FIFO (named pipe), not a regular file: replica reads only regular files");
+  EXPECT_NE(error_in_child([&] { replica::io::read_safetensors_header(fifo); }).find("FIFO"), std::string::npos);
+}
+
+TEST_F(SafetensorsTest, NonFiniteFloatingValuesAreRefusedNamingTheTensorAndTheFile) {
+  const std::string path = file("weights.safetensors");
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16, torch::kFloat64}) {
+    for (const double bad : {std::nan(""), double{INFINITY}, -double{INFINITY}}) {
+      torch::Tensor w = torch::zeros({3, 5}, dtype);
+      w[2][1] = bad;
+      save_safetensors(path, {{"ok", torch::ones({2})}, {"model.w", w}, {"ids", torch::arange(3)}});
+      const std::string what = std::isnan(bad) ? "NaN" : bad > 0 ? "+inf" : "-inf";
+      EXPECT_EQ(load_error(path), path + ": tensor 'model.w' holds " + what +
+                                      " at element 11 (of shape [3, 5]): replica refuses non-finite weights and state")
+          << c10::toString(dtype);
+      // Read bit for bit when asked to keep them.
+      const auto kept = load_safetensors(path, replica::io::NonFinite::kKeep);
+      EXPECT_TRUE(torch::equal(kept.at("model.w").isnan(), w.isnan()));
+    }
+  }
+  // Past the first piece the check reads, too.
+  torch::Tensor big = torch::zeros({(int64_t{1} << 22) + 7});
+  big[(int64_t{1} << 22) + 3] = std::nan("");
+  save_safetensors(path, {{"big", big}});
+  EXPECT_NE(load_error(path).find("tensor 'big' holds NaN at element 4194307"), std::string::npos);
+}
+
+TEST_F(SafetensorsTest, TheHeaderAloneGivesNamesDtypesAndShapesInDataOrder) {
+  const std::string path = file("h.safetensors");
+  save_safetensors(path, {{"b", torch::zeros({2, 3}, torch::kBFloat16)}, {"a", torch::zeros({4}, torch::kInt64)}});
+  const auto header = replica::io::read_safetensors_header(path);
+  ASSERT_EQ(header.size(), 2u);
+  EXPECT_EQ(header[0].name, "b");
+  EXPECT_EQ(header[0].dtype, torch::kBFloat16);
+  EXPECT_EQ(header[0].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(header[1].name, "a");
+  EXPECT_EQ(header[1].shape, (std::vector<int64_t>{4}));
+  // Checked as load_safetensors checks it: a lying offset is an error, nothing is allocated.
+  const std::string bad = raw_file(R"({"w":{"dtype":"F32","shape":[1000000000000],"data_offsets":[0,4]}})", 4);
+  try {
+    replica::io::read_safetensors_header(bad);
+    ADD_FAILURE() << "read without error";
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("do not match shape [1000000000000]"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -86,6 +86,23 @@ TEST(MLP, RejectsBadSizesAndInputs) {
   }
 }
 
+// Note [model size bounds]: a width from a mistyped key (hidden_sizes: [2147483647]) is
+// refused before anything is allocated (before: LibTorch was asked for 6.7 TB).
+TEST(MLP, SizesBeyondTheBoundsAreRefusedBeforeAllocating) {
+  EXPECT_EQ(replica::models::layer_widths_problem({256, 128}), "");
+  EXPECT_EQ(replica::models::layer_widths_problem({256, 2147483647}), "must list widths from 1 to 65536, got 2147483647");
+  EXPECT_EQ(replica::models::layer_widths_problem({0}), "must list widths from 1 to 65536, got 0");
+  EXPECT_EQ(replica::models::mlp_parameter_count(784, {256, 128}, 10), 235146);  // mlp.h's example
+  EXPECT_EQ(replica::models::mlp_parameter_count(INT64_MAX / 2, {4}, 2), INT64_MAX);  // saturates, never wraps
+  try {
+    MLP(784, {2147483647}, 10);
+    FAIL() << "no replica::Error";
+  } catch (const replica::Error& error) {
+    EXPECT_EQ(std::string(error.what()),
+              "MLP: 784 -> [2147483647] -> 10 has 1707249499375 parameters, more than the 4294967296 replica builds");
+  }
+}
+
 // FusedLinear is torch::nn::Linear: same initialisation, outputs and gradients. With a
 // gradient home registered (what DDP does), the first backward writes the weight gradient
 // into the home itself (the same memory, not a copy), and a second one adds to it.

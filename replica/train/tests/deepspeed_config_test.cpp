@@ -6,9 +6,11 @@
 #include "replica/train/tests/parse_error.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 namespace fs = std::filesystem;
 using namespace replica::train;
@@ -166,7 +168,7 @@ TEST_F(DeepSpeedConfig, UnimplementedFieldsAreErrorsNamingThem) {
   EXPECT_NE(error_for(R"({"optimizer": {"type": "Lamb"}})").find("optimizer.type 'Lamb' is not implemented"),
             std::string::npos);
   EXPECT_NE(error_for(R"({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}})")
-                .find("field 'optimizer.params.betas' is [0.9,0.95]; replica supports only [0.9,0.999]"),
+                .find("field 'optimizer.params.betas' is [0.9, 0.95]; replica supports only [0.9, 0.999]"),
             std::string::npos);
   EXPECT_NE(error_for(R"({"zero_optimization": {"stage": 5}})").find("must be 0, 1, 2 or 3, got 5"), std::string::npos);
   EXPECT_NE(error_for(R"({"train_micro_batch_size_per_gpu": "eight"})")
@@ -193,6 +195,42 @@ TEST_F(DeepSpeedConfig, AValueTheYamlFileAlsoGivesMustAgree) {
       << e;
   EXPECT_NE(error_of(yaml(fmt::format("  deepspeed: {}\n  zero_stage: 1\n", file))).find("zero_optimization.stage"),
             std::string::npos);
+}
+
+
+// Every number the file gives is range-checked as a double before it is narrowed, and the
+// message names the field and the file (before: "key 'params.batch_size' must be >= 1, got
+// -1486618624", naming neither).
+TEST_F(DeepSpeedConfig, NumbersOutOfRangeAreRefusedNamingTheFieldAndTheFile) {
+  const auto error_for = [&](const std::string& json) {
+    const std::string file = write_json(json);
+    return std::make_pair(error_of(yaml(fmt::format("  deepspeed: {}\n", file))), file);
+  };
+  auto [e, file] = error_for(R"({"train_micro_batch_size_per_gpu": 1e18})");
+  EXPECT_EQ(e, file + ": field 'train_micro_batch_size_per_gpu' must be an integer from 1 to 2147483647, got "
+                      "1e+18");
+  std::tie(e, file) = error_for(R"({"gradient_accumulation_steps": 4294967297})");
+  EXPECT_EQ(e, file + ": field 'gradient_accumulation_steps' must be an integer from 1 to 2147483647, got 4294967297");
+  std::tie(e, file) = error_for(R"({"train_batch_size": 18446744073709551615})");
+  EXPECT_EQ(e.rfind(file + ": field 'train_batch_size' must be an integer from 1 to 9007199254740992, got ", 0), 0u)
+      << e;
+  std::tie(e, file) = error_for(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1e300}}})");
+  EXPECT_EQ(e.rfind(file + ": field 'scheduler.params.warmup_num_steps' must be an integer from 0 to ", 0), 0u) << e;
+  std::tie(e, file) = error_for(R"({"zero_optimization": {"stage": 1e18}})");
+  EXPECT_EQ(e, file + ": field 'zero_optimization.stage' must be an integer from 0 to 2147483647, got 1e+18");
+}
+
+TEST_F(DeepSpeedConfig, AFileNestedAMillionDeepOrAFifoIsRefusedNamingIt) {
+  const std::string deep = write_json(R"({"optimizer": )" + std::string(1000000, '[') + std::string(1000000, ']') + "}");
+  EXPECT_EQ(error_of(yaml(fmt::format("  deepspeed: {}\n", deep))), deep + ": JSON nested more than 128 levels deep");
+  // A FIFO: refused at once (before: read_file's open waited for a writer).
+  const std::string fifo = (dir_ / "fifo.json").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_NE(error_of(yaml(fmt::format("  deepspeed: {}\n", fifo))).find("is a FIFO (named pipe), not a regular file"),
+            std::string::npos);
+  // A long or deep value in a message is an excerpt.
+  const std::string long_value = write_json(R"({"optimizer": {"type": ")" + std::string(1 << 20, 'x') + R"("}})");
+  EXPECT_LT(error_of(yaml(fmt::format("  deepspeed: {}\n", long_value))).size(), 400u);
 }
 
 }  // namespace
