@@ -4,6 +4,9 @@
 #include "replica/core/cuda.h"
 #include "replica/core/system.h"
 #include "replica/distributed/process_group.h"
+#include "replica/distributed/shm_allreduce.h"
+#include "replica/models/fused_ops.h"
+#include "replica/models/linear.h"
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -237,6 +240,15 @@ std::string env_report(bool json) {
   out += fmt::format("BLAS:                {} ({}){}\n", blas.name, blas.path.empty() ? "not found" : blas.path,
                      blas.name == "reference" ? "  <-- SLOW, see the warning" : "");
   out += fmt::format("model layers' GEMM:  {}\n", cpu_gemm_description());
+  // The other paths picked from the CPU (docs/code-paths.md lists each and how to force it).
+  out += fmt::format("bf16 CPU GEMMs:      {} (REPLICA_CPU_BF16_GEMM=fp32|aten forces)\n",
+                     models::cpu_bf16_through_fp32() ? "through the fp32 GEMM" : "ATen's bf16 kernels");
+  out += fmt::format("fused CPU kernels:   {} (REPLICA_FUSED_KERNELS=0 turns off)\n",
+                     !models::fused_cpu_kernels_available() ? "no (needs AVX2 and FMA)"
+                     : models::fused_kernels_for(at::zeros({1})) ? "yes (AVX2 + FMA)"
+                                                                     : "off");
+  out += fmt::format("shm reduce kernels:  {} (REPLICA_SHM_REDUCE=portable|avx2|avx512 forces)\n",
+                     distributed::shm_reduce_kernels_name(distributed::shm_reduce_kernels()));
   out += "backends:\n";
   for (const char* b : {"gloo", "nccl", "mpi", "shm"}) {
     out += fmt::format("  {:<5} {:<4} {}\n", b, backends[b]["available"].get<bool>() ? "yes" : "no",

@@ -134,6 +134,7 @@ TEST(Lora, DropoutIsOnTheAdapterPathOnly) {
 // dropout and give PEFT's branch's output and gradients, in fp32 and under bf16 autocast over a
 // bf16 base, with and without dropout.
 TEST(Lora, AdapterBranchComputesPeftsDropoutBranchForwardAndBackward) {
+  for_each_bf16_gemm_path([] {
   for (const bool bf16 : {false, true}) {
     for (const double p : {0.0, 0.3}) {
       SCOPED_TRACE(std::string(bf16 ? "bf16 autocast" : "fp32") + " p=" + std::to_string(p));
@@ -181,6 +182,7 @@ TEST(Lora, AdapterBranchComputesPeftsDropoutBranchForwardAndBackward) {
       EXPECT_LE(rel(ours.gb, peft.gb), tol);
     }
   }
+  });
 }
 
 TEST(Lora, TargetModulesSelectLayers) {
@@ -369,6 +371,7 @@ TEST(Lora, MergeAdapterDirWritesAnHfModelInTheOriginalDtype) {
 }
 
 TEST(Lora, Bf16BaseKeepsFp32AdaptersLikePeft) {
+  for_each_bf16_gemm_path([] {
   torch::manual_seed(7);
   auto model = load_hf_model(fixture("qwen2"), torch::kBFloat16);
   LoraConfig config;
@@ -393,4 +396,5 @@ TEST(Lora, Bf16BaseKeepsFp32AdaptersLikePeft) {
                        q->lora_scaling())
                       .to(torch::kBFloat16);
   EXPECT_TRUE(torch::equal(q->forward(x), expected));
+  });
 }

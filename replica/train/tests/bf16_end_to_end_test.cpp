@@ -56,8 +56,16 @@ class Bf16EndToEnd : public replica::testing::ScratchDirTest, public ::testing::
  protected:
   Bf16EndToEnd() : ScratchDirTest("replica-bf16") {}
 
+  // The bf16 GEMM path the runs take (REPLICA_CPU_BF16_GEMM: fp32 or aten), forced so that
+  // every machine runs both: `auto` picks fp32 where the CPU has no bf16 arithmetic and aten
+  // where it has (AVX512-BF16, AMX), so a machine of either kind alone ran only one of them.
+  // Set by the instantiation (the test's name says which); empty: the machine's choice.
+  std::string bf16_gemm_;
+
   Result replica(const std::vector<std::string>& args) {
-    return run_program(REPLICA_BIN, args, {}, std::chrono::seconds(240));
+    std::map<std::string, std::string> env;
+    if (!bf16_gemm_.empty()) env["REPLICA_CPU_BF16_GEMM"] = bf16_gemm_;
+    return run_program(REPLICA_BIN, args, env, std::chrono::seconds(240));
   }
 
   fs::path write(const std::string& name, const std::string& text) {
@@ -157,8 +165,13 @@ class Bf16EndToEnd : public replica::testing::ScratchDirTest, public ::testing::
 
 }  // namespace
 
+// GetParam(): "TASK" or "TASK@GEMM" (GEMM: the forced bf16 GEMM path).
 TEST_P(Bf16EndToEnd, LossFallsAndWeightsStayCloseToFp32) {
-  const std::string task = GetParam();
+  std::string task = GetParam();
+  if (const auto at = task.find('@'); at != std::string::npos) {
+    bf16_gemm_ = task.substr(at + 1);
+    task = task.substr(0, at);
+  }
   if (task == "mlp") check(image_task("mlp", 30, 32, 0.05), 0.1, task);
   if (task == "resnet18") {
     // The imagenet stem (layer1 at 7x7, ~4x cheaper than the default), 6 steps of 8 per worker:
@@ -179,9 +192,17 @@ TEST_F(Bf16EndToEnd, Fp16WithLossScalingTrainsTheMlpLikeFp32) {
   check(image_task("mlp", 30, 32, 0.05), 0.1, "mlp", "fp16");
 }
 
-INSTANTIATE_TEST_SUITE_P(Tasks, Bf16EndToEnd, ::testing::Values("mlp", "resnet18", "two-tower", "llm-sft"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           for (char& c : name) if (c == '-') c = '_';
-                           return name;
-                         });
+std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
+  std::string name = info.param.substr(0, info.param.find('@'));
+  for (char& c : name) if (c == '-') c = '_';
+  return name;
+}
+
+// Every task under each bf16 GEMM path, one CTest test per path (suites Bf16GemmFp32/... and
+// Bf16GemmAten/...). The path reaches the LLM's layers, head and adapters (models/linear.h);
+// the MLP, ResNet and two-tower take ATen's own kernels on both, and run under both all the
+// same, so that a future use of models::linear in them is covered without a change here.
+INSTANTIATE_TEST_SUITE_P(Bf16GemmFp32, Bf16EndToEnd,
+                         ::testing::Values("mlp@fp32", "resnet18@fp32", "two-tower@fp32", "llm-sft@fp32"), param_name);
+INSTANTIATE_TEST_SUITE_P(Bf16GemmAten, Bf16EndToEnd,
+                         ::testing::Values("mlp@aten", "resnet18@aten", "two-tower@aten", "llm-sft@aten"), param_name);
