@@ -1,8 +1,8 @@
-"""A PyTorchJob's pods (Kubeflow's training operator) running README's manifest: each pod is a
+"""A PyTorchJob's pods (Kubeflow's training operator) running docs/python.md's manifest: each pod is a
 process with the environment the operator gives it (pkg/controller.v1/pytorch/envvar.go and
 master.go: MASTER_ADDR/MASTER_PORT, PET_MASTER_ADDR/PET_MASTER_PORT, WORLD_SIZE = pods x
 nprocPerNode, RANK = the pod's index, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_NNODES) and the
-container's command from README, each in a mount namespace of its own with a private /dev/shm
+container's command from docs/python.md, each in a mount namespace of its own with a private /dev/shm
 (pods share no shared memory), 127.0.0.1 standing in for the master's service. They end with the
 weights of `replica launch --nproc-per-node 2`, bit for bit."""
 
@@ -25,12 +25,12 @@ TOKEN = "0123456789abcdef" * 4
 
 @pytest.fixture(scope="module")
 def manifest():
-    """The ConfigMap's run.yaml and the PyTorchJob of README's Kubernetes section."""
+    """The ConfigMap's run.yaml and the PyTorchJob of docs/python.md's Kubernetes section."""
     yaml = need("yaml")
-    readme = (SOURCE / "README.md").read_text()
+    readme = (SOURCE / "docs" / "python.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL)
     block = next((b for b in blocks if "kind: PyTorchJob" in b), None)
-    assert block, "README.md shows no PyTorchJob manifest"
+    assert block, "docs/python.md shows no PyTorchJob manifest"
     docs = list(yaml.safe_load_all(block))
     config_map = next(d for d in docs if d["kind"] == "ConfigMap")
     job = next(d for d in docs if d["kind"] == "PyTorchJob")
@@ -144,7 +144,7 @@ def test_replica_launch_in_the_pods(manifest, config_file, isolate, reference_mo
     for spec in job["spec"]["pytorchReplicaSpecs"].values():
         c = spec["template"]["spec"]["containers"][0]
         assert c["command"][:2] == ["replica", "--config"]
-        c["command"] = ["replica", "launch", "--"] + c["command"]  # the README's alternative
+        c["command"] = ["replica", "launch", "--"] + c["command"]  # docs/python.md's alternative
     check(run_pods(job, config_file, tmp_path / "run", isolate=isolate), tmp_path / "run", reference_model)
 
 

@@ -1,11 +1,13 @@
-// Issue 21: the docs cannot drift from the program. Every command line README.md shows in a
-// fenced block, every complete run config among its ```yaml blocks and every examples/*.yaml
-// runs here through the real `replica`, in README's order (later commands use what earlier
-// ones wrote: data, demo model, a run's final/), in one scratch directory holding a copy of
-// examples/, so relative paths resolve as in a checkout. Trainings are cut to a few steps and
-// each runs four times: fp32 and bf16, at world 1 and 2. What cannot run here is skipped by a
-// listed rule and printed; a skipped synopsis must be one of the known forms, so a new runnable
-// command is never skipped silently.
+// Issue 21: the docs cannot drift from the program. Every command line README.md and the guide
+// in docs/*.md show in a fenced block, every complete run config among their ```yaml blocks and
+// every examples/*.yaml runs here through the real `replica`: README first, then the guide's
+// pages by name, each in its own order (later commands use what earlier ones wrote: data, demo
+// model, a run's final/), in one scratch directory holding a copy of examples/ and bench/, so
+// relative paths resolve as in a checkout. A command or config shown on several pages (issue 36:
+// README's quickstart is also the guide's) runs once, where it is first shown. Trainings are cut
+// to a few steps and each runs four times: fp32 and bf16, at world 1 and 2. What cannot run here
+// is skipped by a listed rule and printed; a skipped synopsis must be one of the known forms, so
+// a new runnable command is never skipped silently.
 #include "replica/testing/program_runner.h"
 #include "replica/testing/paths.h"
 
@@ -33,10 +35,10 @@ const fs::path kSource = REPLICA_SOURCE_DIR;
 
 // One thing to run: the program's arguments (the program is REPLICA_BIN) and where it is shown.
 struct Command {
-  std::string where;              // README.md:241, examples/x.yaml
+  std::string where;              // README.md:241, docs/llm.md:12, examples/x.yaml
   std::string shown;              // as the docs show it
   std::vector<std::string> args;  // after the program name
-  std::string yaml;               // a README ```yaml block: written to args[1] first
+  std::string yaml;               // a ```yaml block of the docs: written to args[1] first
 };
 
 struct Skip {
@@ -59,9 +61,10 @@ const std::vector<std::pair<std::string, std::string>> kOutsideRules = {
     {R"(^mpirun\b)", "mpirun on the reader's run.yaml; FaultTolerance.MpirunWorkersMatchTheLauncher"},
     {R"(^srun\b)", "Slurm's srun (no Slurm here); World.ReadsTorchrunMpiAndSlurmVariables"},
     {R"(^CUDA_VISIBLE_DEVICES=|--device cuda\b)", "GPUs (none here); the gpu tests and scripts/gpu_check.sh"},
+    {R"(\|\s*(\./build/)?replica\b)", "another program's output on stdin; replica tokenize's own tests feed it"},
 };
 
-// The synopses README shows, by their start. A line skipped for its placeholders that starts
+// The synopses the docs show, by their start. A line skipped for its placeholders that starts
 // otherwise fails the test: it is a new synopsis to list here, or a runnable command that
 // should not have been caught.
 const std::vector<std::string> kSynopses = {
@@ -72,11 +75,13 @@ const std::vector<std::string> kSynopses = {
     "replica merge-adapter --model DIR", "replica mds convert --input events.jsonl",
     "replica llm ... /",                "replica mds synthetic|convert ...",
     "replica consolidate CHECKPOINT_DIR", "replica plot PROJECT_DIR",
+    "replica mds convert INPUT OUT",    "replica mds synthetic OUT",
+    "replica keys llm-sft|",
 };
 
-// README's runnable commands today (its own and those left of a synopsis without its optional
-// parts); fewer means a command stopped being found.
-constexpr size_t kMinReadmeCommands = 16;
+// The docs' runnable commands and configs today (their own and those left of a synopsis without
+// its optional parts, each counted once); fewer means a command stopped being found.
+constexpr size_t kMinDocsCommands = 17;
 
 using replica::testing::read_file;
 
@@ -129,7 +134,7 @@ std::vector<std::vector<std::string>> cores_of(const std::vector<std::string>& w
 
 bool is_program(const std::string& word) { return word == "replica" || word == "./build/replica"; }
 
-// One shell command (a part of a line between &&) at README line `n`.
+// One shell command (a part of a line between &&) at `where` (page:line).
 void classify(const std::string& text, const std::string& where, Plan& plan) {
   for (const auto& [pattern, why] : kOutsideRules) {
     if (std::regex_search(text, std::regex(pattern))) {
@@ -168,11 +173,10 @@ void classify(const std::string& text, const std::string& where, Plan& plan) {
   }
 }
 
-// Every command of README's fenced blocks (C++ and Python excluded) and its complete ```yaml run
-// configs.
-Plan plan_readme() {
-  Plan plan;
-  std::istringstream in(read_file(kSource / "README.md"));
+// Every command of a page's fenced blocks (C++, CMake and Python excluded) and its complete
+// ```yaml run configs, appended to `plan`. `page` is relative to the checkout.
+void plan_page(const std::string& page, Plan& plan) {
+  std::istringstream in(read_file(kSource / page));
   std::string line, fence, yaml, pending;
   int n = 0, fence_line = 0, pending_line = 0;
   bool inside = false;
@@ -180,9 +184,11 @@ Plan plan_readme() {
     ++n;
     if (trim(line).rfind("```", 0) == 0) {
       if (inside && fence == "yaml" && std::regex_search(yaml, std::regex(R"((^|\n)task:)"))) {
-        const std::string file = "readme-" + std::to_string(fence_line) + ".yaml";
-        plan.run.push_back({"README.md:" + std::to_string(fence_line), "```yaml block as " + file,
-                            {"--config", file}, yaml});
+        std::string file = page.substr(page.rfind('/') + 1);
+        file = file.substr(0, file.size() - 3) + "-" + std::to_string(fence_line) + ".yaml";
+        std::transform(file.begin(), file.end(), file.begin(), [](unsigned char c) { return std::tolower(c); });
+        plan.run.push_back(
+            {page + ":" + std::to_string(fence_line), "```yaml block as " + file, {"--config", file}, yaml});
       }
       inside = !inside;
       fence = trim(trim(line).substr(3));
@@ -190,7 +196,7 @@ Plan plan_readme() {
       yaml.clear();
       continue;
     }
-    if (!inside || fence == "cpp" || fence == "python") continue;  // code, not command lines
+    if (!inside || fence == "cpp" || fence == "cmake" || fence == "python") continue;  // code, not command lines
     if (fence == "yaml") {
       yaml += line + "\n";
       continue;
@@ -207,9 +213,33 @@ Plan plan_readme() {
     pending.clear();
     size_t from = 0;
     for (size_t at; (at = text.find("&&", from)) != std::string::npos; from = at + 2) {
-      classify(trim(text.substr(from, at - from)), "README.md:" + std::to_string(pending_line), plan);
+      classify(trim(text.substr(from, at - from)), page + ":" + std::to_string(pending_line), plan);
     }
-    classify(trim(text.substr(from)), "README.md:" + std::to_string(pending_line), plan);
+    classify(trim(text.substr(from)), page + ":" + std::to_string(pending_line), plan);
+  }
+}
+
+// README.md, then docs/*.md by name; what a page shows again is skipped for where it ran first.
+Plan plan_docs() {
+  std::vector<std::string> pages;
+  for (const auto& e : fs::directory_iterator(kSource / "docs")) {
+    if (e.path().extension() == ".md") pages.push_back("docs/" + e.path().filename().string());
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.insert(pages.begin(), "README.md");
+  Plan all;
+  for (const auto& page : pages) plan_page(page, all);
+  Plan plan;
+  plan.skipped = all.skipped;
+  plan.problems = all.problems;
+  for (const auto& c : all.run) {
+    const auto first = std::find_if(plan.run.begin(), plan.run.end(),
+                                    [&](const Command& r) { return r.args == c.args && r.yaml == c.yaml; });
+    if (first == plan.run.end()) {
+      plan.run.push_back(c);
+    } else {
+      plan.skipped.push_back({c.where, c.shown, "shown again: runs at " + first->where});
+    }
   }
   return plan;
 }
@@ -271,24 +301,29 @@ class DocsExamples : public replica::testing::ScratchDirTest {
   }
 };
 
-TEST_F(DocsExamples, ReadmeSkipsOnlyKnownFormsAndFindsEveryCommand) {
-  const Plan plan = plan_readme();
+TEST_F(DocsExamples, DocsSkipOnlyKnownFormsAndFindEveryCommand) {
+  const Plan plan = plan_docs();
   for (const auto& p : plan.problems) ADD_FAILURE() << p;
-  EXPECT_GE(plan.run.size(), kMinReadmeCommands) << "README's runnable commands were not all found";
+  EXPECT_GE(plan.run.size(), kMinDocsCommands) << "the docs' runnable commands were not all found";
   for (const auto& c : plan.run) std::cout << "runs    " << c.where << ": " << c.shown << "\n";
   for (const auto& s : plan.skipped) std::cout << "skipped " << s.where << ": " << s.shown << "\n    (" << s.why << ")\n";
 }
 
-TEST_F(DocsExamples, EveryReadmeCommandAndExampleRunsUnderFp32AndBf16AtWorld1And2) {
+TEST_F(DocsExamples, EveryDocsCommandAndExampleRunsUnderFp32AndBf16AtWorld1And2) {
   ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built";
-  Plan plan = plan_readme();
+  Plan plan = plan_docs();
   for (const auto& p : plan.problems) ADD_FAILURE() << p;
   fs::copy(kSource / "examples", dir_ / "examples", fs::copy_options::recursive);
-  // The reader's own interactions that README's `replica mds convert --input events.jsonl` converts.
+  // docs/performance.md runs the product path's benchmark configs.
+  fs::create_directories(dir_ / "bench");
+  for (const auto& e : fs::directory_iterator(kSource / "bench")) {
+    if (e.path().extension() == ".yaml") fs::copy_file(e.path(), dir_ / "bench" / e.path().filename());
+  }
+  // The reader's own interactions that the docs' `replica mds convert --input events.jsonl` converts.
   std::ofstream(dir_ / "events.jsonl") << R"({"user_id": 1, "item_id": 7, "title": "a"})" << "\n"
                                        << R"({"user_id": 2, "item_id": 3, "title": "b c"})" << "\n";
 
-  // examples/*.yaml that no README command runs, after README's (whose data they may need).
+  // examples/*.yaml that no docs command runs, after the docs' (whose data they may need).
   for (const auto& e : fs::directory_iterator(kSource / "examples")) {
     if (e.path().extension() != ".yaml") continue;
     const std::string rel = "examples/" + e.path().filename().string();
