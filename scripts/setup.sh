@@ -7,7 +7,7 @@
 #    finds Torch there (torch.utils.cmake_prefix_path). The wheel's nvidia-* dependencies bring
 #    the CUDA runtime, cuDNN and NCCL that libtorch_cuda.so loads.
 # Another LibTorch (an official archive, CPU or CUDA): REPLICA_LIBTORCH=/path/to/libtorch
-# skips the wheel (README "Building against another LibTorch").
+# skips the wheel (docs/getting-started.md, "Building").
 # `scripts/setup.sh --deps-only` installs Debian's packages and stops: what `pip install .`
 # (the Python package, pyproject.toml) needs on a fresh machine.
 set -euo pipefail
