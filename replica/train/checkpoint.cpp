@@ -4,6 +4,7 @@
 #include "replica/core/files.h"
 #include "replica/io/files.h"
 #include "replica/models/lora.h"
+#include "replica/train/project_dir.h"
 #include "replica/zero/checkpoint.h"
 
 #include <fcntl.h>
@@ -13,22 +14,10 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 
 namespace fs = std::filesystem;
 
 namespace replica::train {
-namespace {
-
-int64_t step_of(const fs::path& dir) {
-  static const std::regex pattern(R"(checkpoint-(\d+))");
-  std::smatch m;
-  const std::string name = dir.filename().string();
-  if (!std::regex_match(name, m, pattern)) return -1;
-  return std::stoll(m[1]);
-}
-
-}  // namespace
 
 nlohmann::json TrainerState::to_json() const {
   nlohmann::json j = {{"global_step", global_step}, {"epoch", epoch},       {"micro_step", micro_step},
@@ -38,6 +27,7 @@ nlohmann::json TrainerState::to_json() const {
     j["loss_scale"] = loss_scale;
     j["loss_scale_good_steps"] = loss_scale_good_steps;
   }
+  if (nonfinite_skipped_steps > 0) j["nonfinite_skipped_steps"] = nonfinite_skipped_steps;
   return j;
 }
 
@@ -53,10 +43,11 @@ TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string&
     if (j.contains("log_history")) s.log_history = j.at("log_history");
     s.loss_scale = j.value("loss_scale", 0.0);
     s.loss_scale_good_steps = j.value("loss_scale_good_steps", int64_t{0});
+    s.nonfinite_skipped_steps = j.value("nonfinite_skipped_steps", int64_t{0});
   } catch (const std::exception& e) {
     fail("{}: not a replica trainer state: {}", where, e.what());
   }
-  if (s.global_step < 0 || s.epoch < 0 || s.micro_step < 0 || s.world_size < 1) {
+  if (s.global_step < 0 || s.epoch < 0 || s.micro_step < 0 || s.world_size < 1 || s.nonfinite_skipped_steps < 0) {
     fail("{}: trainer state has negative counters", where);
   }
   return s;
@@ -69,6 +60,13 @@ std::string save_checkpoint(const std::string& project_dir, const Checkpoint& ck
   const fs::path tmp = project / fmt::format(".checkpoint-{}.tmp-{}", ckpt.state.global_step, getpid());
   std::error_code ec;
   const auto previous = list_checkpoints(project_dir);  // newest first
+  // The name held by something replica did not write (a symbolic link, a directory of the
+  // user's): never replaced, and refused before anything is written.
+  if (const fs::file_status held = fs::symlink_status(final_dir, ec);
+      fs::exists(held) && !is_replica_checkpoint(final_dir)) {
+    fail("cannot save {}: that name is taken by {} replica did not write; nothing was changed (move it away)",
+         final_dir.string(), fs::is_symlink(held) ? "a symbolic link" : "an entry");
+  }
   try {
     fs::remove_all(tmp, ec);
     fs::create_directories(tmp);
@@ -82,9 +80,10 @@ std::string save_checkpoint(const std::string& project_dir, const Checkpoint& ck
     io::write_checksum_manifest(tmp.string());
     fsync_path(tmp.string());
     // An older save of the same step (a resumed run redoing it) is moved aside rather than
-    // deleted first, so some complete checkpoint-N exists at every instant.
+    // deleted first, so some complete checkpoint-N exists at every instant. Only replica's
+    // own: a symbolic link or a directory of the user's under that name is never replaced.
     const fs::path replaced = project / fmt::format(".checkpoint-{}.old-{}", ckpt.state.global_step, getpid());
-    const bool had_same_step = fs::exists(final_dir);
+    const bool had_same_step = is_replica_checkpoint(final_dir);
     if (had_same_step) fs::rename(final_dir, replaced);
     fs::rename(tmp, final_dir);
     fsync_path(project.string());
@@ -111,10 +110,11 @@ std::vector<std::string> list_checkpoints(const std::string& project_dir) {
   std::vector<std::pair<int64_t, std::string>> found;
   std::error_code ec;
   if (!fs::is_directory(project_dir, ec)) return {};
+  // Only directories replica wrote (project_dir.h): never a symbolic link such as
+  // checkpoint-999 -> elsewhere, which would otherwise be "newest" and rotate the real ones away.
   for (const auto& entry : fs::directory_iterator(project_dir, ec)) {
-    if (!entry.is_directory()) continue;
-    const int64_t step = step_of(entry.path());
-    if (step >= 0) found.emplace_back(step, entry.path().string());
+    if (!is_replica_checkpoint(entry.path())) continue;
+    found.emplace_back(checkpoint_step(entry.path().filename().string()), entry.path().string());
   }
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<std::string> out;

@@ -27,6 +27,7 @@ struct TrainerState {
   int64_t seed = 0;
   double loss_scale = 0;             // fp16's dynamic loss scale (0: none)
   int64_t loss_scale_good_steps = 0;  // steps since it last changed
+  int64_t nonfinite_skipped_steps = 0;  // steps skipped for a NaN/Inf loss (nonfinite_loss: skip)
   nlohmann::json log_history = nlohmann::json::array();  // last metrics, for humans
   nlohmann::json to_json() const;
   static TrainerState from_json(const nlohmann::json& j, const std::string& where);
@@ -47,7 +48,9 @@ struct Checkpoint {
 std::string save_checkpoint(const std::string& project_dir, const Checkpoint& checkpoint,
                             int save_total_limit);
 
-// checkpoint-N directories under project_dir, newest first (temporary ones excluded).
+// checkpoint-N directories under project_dir that replica wrote (is_replica_checkpoint in
+// project_dir.h: real directories holding its completion marker; symbolic links, staging
+// directories and anything else excluded), newest first. Rotation and resume use this list.
 std::vector<std::string> list_checkpoints(const std::string& project_dir);
 
 // Loads a checkpoint directory; replica::Error naming the file at fault.

@@ -9,14 +9,15 @@
 
 namespace replica::train {
 
-bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& params, distributed::ProcessGroup& pg) {
+bool LossScaler::unscale_and_check(const std::vector<torch::Tensor>& params, distributed::ProcessGroup& pg,
+                                   bool loss_nonfinite) {
   if (!enabled_) return true;
   // ATen's fused check-and-unscale (what GradScaler runs), per device, on the gradients.
   std::unordered_map<c10::Device, std::vector<torch::Tensor>> grads;
   for (const auto& p : params) {
     if (p.grad().defined()) grads[p.grad().device()].push_back(p.grad());
   }
-  double found = 0;
+  double found = loss_nonfinite ? 1 : 0;
   for (auto& [device, list] : grads) {
     auto found_inf = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(device));
     auto inv_scale = torch::full({1}, 1.0 / scale_, torch::TensorOptions().dtype(torch::kFloat).device(device));

@@ -39,8 +39,11 @@ class LossScaler {
   }
 
   // After the step's backward passes: divides the gradients of `params` by the scale and says
-  // whether every rank's are finite. Collective (one all-reduce of a flag).
-  bool unscale_and_check(const std::vector<torch::Tensor>& params, distributed::ProcessGroup& pg);
+  // whether every rank's are finite. `loss_nonfinite`: this rank's loss of the step was NaN or
+  // Inf, an overflow too (its gradients are not to be trusted even where they look finite).
+  // Collective (one all-reduce of a flag, which carries both).
+  bool unscale_and_check(const std::vector<torch::Tensor>& params, distributed::ProcessGroup& pg,
+                         bool loss_nonfinite = false);
 
   // After the step (finite) or instead of it (not): grows or halves the scale.
   void update(bool finite);

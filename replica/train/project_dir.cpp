@@ -3,9 +3,14 @@
 #include "replica/core/error.h"
 #include "replica/core/files.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cerrno>
+#include <optional>
 #include <string_view>
 #include <system_error>
 
@@ -14,53 +19,174 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool all_digits(std::string_view s) {
-  return !s.empty() && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+// A step or a PID: 1 to 18 decimal digits (so that it fits an int64_t), nothing else.
+std::optional<int64_t> number_of(std::string_view s) {
+  if (s.empty() || s.size() > 18) return std::nullopt;
+  int64_t n = 0;
+  for (unsigned char c : s) {
+    if (!std::isdigit(c)) return std::nullopt;
+    n = n * 10 + (c - '0');
+  }
+  return n;
 }
 
-// Names written whole (files and directories).
-constexpr std::array<std::string_view, 8> kFixed = {"config.yaml", "training_params.json", "metrics.jsonl",
-                                                    "metrics.png", "metrics.svg", "final", "merged", "errors"};
+// The names written whole: files and directories.
+constexpr std::array<std::string_view, 5> kFiles = {"config.yaml", "training_params.json", "metrics.jsonl",
+                                                    "metrics.png", "metrics.svg"};
+constexpr std::array<std::string_view, 3> kDirectories = {"final", "merged", "errors"};
 
-bool is_written_name(std::string_view name) {
-  if (std::find(kFixed.begin(), kFixed.end(), name) != kFixed.end()) return true;
-  if (starts_with(name, "events.out.tfevents.")) return true;
-  if (starts_with(name, "checkpoint-") && all_digits(name.substr(11))) return true;
-  return false;
+bool is_fixed_file_name(std::string_view name) {
+  return std::find(kFiles.begin(), kFiles.end(), name) != kFiles.end() || starts_with(name, "events.out.tfevents.");
 }
 
-}  // namespace
+// The staging names of checkpoint.cpp: ".checkpoint-STEP.tmp-PID" / ".checkpoint-STEP.old-PID".
+struct Staging {
+  int64_t step = -1;
+  int64_t pid = -1;
+  bool old = false;  // .old-PID: a complete checkpoint moved aside
+};
+std::optional<Staging> checkpoint_staging(std::string_view name) {
+  if (!starts_with(name, ".checkpoint-")) return std::nullopt;
+  name.remove_prefix(12);
+  const size_t dot = name.find('.');
+  if (dot == std::string_view::npos) return std::nullopt;
+  const auto step = number_of(name.substr(0, dot));
+  const std::string_view rest = name.substr(dot + 1);
+  const bool tmp = starts_with(rest, "tmp-"), old = starts_with(rest, "old-");
+  const auto pid = tmp || old ? number_of(rest.substr(4)) : std::nullopt;
+  if (!step || !pid) return std::nullopt;
+  return Staging{*step, *pid, old};
+}
 
-bool is_run_output(const std::string& name) {
-  if (is_written_name(name)) return true;
-  // Staging names of the atomic writes: .checkpoint-STEP.tmp-PID / .old-PID (checkpoint.cpp),
-  // .zero-STEP (the ZeRO-3 shards being gathered), NAME.tmp.PID (write_file_atomically).
-  if (starts_with(name, ".checkpoint-") || starts_with(name, ".zero-")) return true;
+// ".zero-STEP": ZeRO-3 shards being gathered (run_state.cpp).
+bool is_zero_staging(std::string_view name) { return starts_with(name, ".zero-") && number_of(name.substr(6)); }
+
+// "NAME.tmp.PID" of write_file_atomically over one of the files above; the PID.
+std::optional<int64_t> atomic_write_pid(std::string_view name) {
   const size_t tmp = name.rfind(".tmp.");
-  return tmp != std::string::npos && all_digits(std::string_view(name).substr(tmp + 5)) &&
-         is_written_name(std::string_view(name).substr(0, tmp));
+  if (tmp == std::string_view::npos || !is_fixed_file_name(name.substr(0, tmp))) return std::nullopt;
+  return number_of(name.substr(tmp + 5));
 }
 
-std::vector<fs::path> run_outputs(const fs::path& project) {
+enum class Kind { Output, Lookalike, Other };
+
+// What `entry` is, by its name and its own type (a symbolic link is never followed).
+Kind classify(const fs::path& entry) {
+  const std::string name = entry.filename().string();
+  const bool named_dir = std::find(kDirectories.begin(), kDirectories.end(), name) != kDirectories.end() ||
+                         checkpoint_step(name) >= 0 || checkpoint_staging(name) || is_zero_staging(name);
+  const bool named_file = is_fixed_file_name(name) || atomic_write_pid(name).has_value();
+  if (!named_dir && !named_file) return Kind::Other;
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(entry, ec);
+  if (ec) return Kind::Lookalike;  // vanished or unreadable: not ours to touch
+  if (named_file) return fs::is_regular_file(st) ? Kind::Output : Kind::Lookalike;
+  if (!fs::is_directory(st)) return Kind::Lookalike;
+  if (checkpoint_step(name) >= 0 && !is_replica_checkpoint(entry)) return Kind::Lookalike;
+  return Kind::Output;
+}
+
+std::vector<fs::path> entries_of_kind(const fs::path& project, Kind kind) {
   std::vector<fs::path> out;
   std::error_code ec;
   if (!fs::is_directory(project, ec)) return out;
   for (const auto& entry : fs::directory_iterator(project, ec)) {
-    if (is_run_output(entry.path().filename().string())) out.push_back(entry.path());
+    if (classify(entry.path()) == kind) out.push_back(entry.path());
   }
   if (ec) fail("cannot list the project directory '{}': {}", project.string(), ec.message());
   std::sort(out.begin(), out.end());
   return out;
 }
 
+// Whether process `pid` may still be writing: alive on this host and not this process (a
+// file named with this process's PID is an earlier life's: this one has not saved yet).
+bool may_be_writing(int64_t pid) {
+  if (pid <= 0 || pid > 0x3fffffff || pid == static_cast<int64_t>(::getpid())) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
+}
+
+// A real directory holding the files a save writes last: trainer_state.json, then the
+// checksum manifest (either, so that a checkpoint missing one is still skipped by name).
+bool holds_completion_marker(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(fs::symlink_status(dir, ec))) return false;
+  for (const char* marker : {"trainer_state.json", "checksums.sha256"}) {
+    if (fs::is_regular_file(fs::symlink_status(dir / marker, ec))) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+int64_t checkpoint_step(const std::string& name) {
+  if (!starts_with(name, "checkpoint-")) return -1;
+  return number_of(std::string_view(name).substr(11)).value_or(-1);
+}
+
+bool is_replica_checkpoint(const fs::path& dir) {
+  return checkpoint_step(dir.filename().string()) >= 0 && holds_completion_marker(dir);
+}
+
+bool is_run_output(const fs::path& entry) { return classify(entry) == Kind::Output; }
+
+std::vector<fs::path> run_outputs(const fs::path& project) { return entries_of_kind(project, Kind::Output); }
+
+std::vector<Lookalike> lookalikes(const fs::path& project) {
+  std::vector<Lookalike> out;
+  for (auto& path : entries_of_kind(project, Kind::Lookalike)) {
+    std::error_code ec;
+    const fs::file_status st = fs::symlink_status(path, ec);
+    std::string why = fs::is_symlink(st)  ? "a symbolic link"
+                      : fs::is_directory(st) && checkpoint_step(path.filename().string()) >= 0
+                          ? "no trainer_state.json or checksums.sha256 in it"
+                      : fs::is_directory(st) ? "a directory where replica writes a file"
+                                             : "not a directory, where replica writes one";
+    out.push_back({std::move(path), std::move(why)});
+  }
+  return out;
+}
+
 size_t remove_run_outputs(const fs::path& project) {
   const auto outputs = run_outputs(project);
   for (const auto& path : outputs) {
+    // remove_all does not follow symbolic links inside a directory: it removes the links.
     std::error_code ec;
     fs::remove_all(path, ec);
     if (ec) fail("--overwrite: cannot remove '{}': {}", path.string(), ec.message());
   }
   return outputs.size();
+}
+
+std::vector<std::string> clean_stale_staging(const fs::path& project) {
+  std::vector<std::string> done;
+  for (const auto& path : run_outputs(project)) {
+    const std::string name = path.filename().string();
+    std::error_code ec;
+    if (const auto staging = checkpoint_staging(name)) {
+      if (may_be_writing(staging->pid)) continue;
+      const fs::path target = project / fmt::format("checkpoint-{}", staging->step);
+      if (staging->old && !is_replica_checkpoint(target)) {
+        // A save killed between moving the complete checkpoint-N aside and renaming its
+        // replacement into place: this is that step's only copy, and it goes back. When
+        // something else holds the name now, it is left for the user to see.
+        if (fs::exists(fs::symlink_status(target, ec))) continue;
+        if (holds_completion_marker(path)) {
+          fs::rename(path, target, ec);
+          if (ec) fail("cannot restore '{}' as '{}': {}", path.string(), target.string(), ec.message());
+          done.push_back(fmt::format("{} restored as {}", name, target.filename().string()));
+          continue;
+        }
+      }
+    } else if (const auto pid = atomic_write_pid(name)) {
+      if (may_be_writing(*pid)) continue;
+    } else if (!is_zero_staging(name)) {
+      continue;  // an output proper, not staging
+    }
+    fs::remove_all(path, ec);
+    if (ec) fail("cannot remove '{}', left by a killed save: {}", path.string(), ec.message());
+    done.push_back(name + " removed");
+  }
+  return done;
 }
 
 }  // namespace replica::train

@@ -241,13 +241,19 @@ const std::vector<KeySpec>& common_keys() {
             .group("Training")
             .known_as({"lr_scheduler_type"}),
         key("max_grad_norm", p, &P::max_grad_norm, "gradient clipping by global norm (<= 0: off)").group("Training"),
+        key("nonfinite_loss", p, &P::nonfinite_loss,
+            "a NaN/Inf loss or gradient norm on any worker: stop naming the step, or skip the step's update "
+            "(counted, logged); fp16's loss scaler skips its overflows either way")
+            .group("Training"),
         key("shuffle", p, &P::shuffle, "reshuffle the training data every epoch").group("Training"),
         key("seed", p, &P::seed, "seed of initialisation, shuffling and dropout").group("Training").at_least(0),
         key("eval_every", p, &P::eval_every, "evaluate every N steps (0: at the end of each epoch)")
             .group("Training")
             .at_least(0)
             .known_as({"eval_steps"}),
-        key("checkpoint_every", p, &P::checkpoint_every, "checkpoint every N steps (0: none but the last)")
+        key("checkpoint_every", p, &P::checkpoint_every,
+            "a checkpoint every N steps and one at the end (0: no checkpoints at all, so nothing to resume "
+            "from; final/ is still written)")
             .group("Training")
             .at_least(0)
             .known_as({"save_steps"}),

@@ -72,6 +72,14 @@ struct EnumNames<SchedulerKind> {
   static constexpr std::array<const char*, 3> names = {"constant", "linear", "cosine"};
 };
 
+// What a step whose training loss is NaN or Inf on some worker does (fp16's loss scaler
+// handles its overflows itself, whatever this says).
+enum class NonfiniteLoss { Stop, Skip };
+template <>
+struct EnumNames<NonfiniteLoss> {
+  static constexpr std::array<const char*, 2> names = {"stop", "skip"};
+};
+
 enum class LogFormat { None, Jsonl, TensorBoard };
 template <>
 struct EnumNames<LogFormat> {
@@ -153,6 +161,7 @@ struct RunParams {
   double warmup_ratio = 0.0;                // used when warmup_steps == 0
   SchedulerKind scheduler = SchedulerKind::Cosine;
   double max_grad_norm = 1.0;               // <= 0 disables clipping
+  NonfiniteLoss nonfinite_loss = NonfiniteLoss::Stop;
   bool shuffle = true;
   int64_t seed = 42;
   int64_t eval_every = 0;                   // steps; 0 = at the end of every epoch

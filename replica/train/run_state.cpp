@@ -3,6 +3,7 @@
 #include "replica/core/error.h"
 #include "replica/distributed/process_group.h"
 #include "replica/train/engine.h"
+#include "replica/train/nonfinite.h"
 #include "replica/train/project_dir.h"
 #include "replica/train/workload.h"
 
@@ -25,6 +26,14 @@ int64_t decide_start(const RunConfig& config, distributed::ProcessGroup& pg, int
   std::string error;
   if (pg.rank() == 0) {
     const fs::path project(config.project_name);
+    // What a killed save left (project_dir.h says which, and why it is safe now).
+    for (const auto& what : clean_stale_staging(project)) {
+      spdlog::info("{}: {} (left by a killed save)", config.project_name, what);
+    }
+    for (const auto& other : lookalikes(project)) {
+      spdlog::warn("{}: {}, not written by replica; resume, checkpoint rotation and --overwrite leave it alone",
+                   other.path.string(), other.why);
+    }
     if (config.params.overwrite && restart_count == 0) {
       // Only what a run wrote: a user's own files in the directory stay (project_dir.h).
       const size_t removed = remove_run_outputs(project);
@@ -100,6 +109,9 @@ TrainerState resume(const RunConfig& config, int64_t step, ParallelEngine& engin
 
 void save_run_checkpoint(const RunConfig& config, const TrainerState& state, ParallelEngine& engine,
                          Workload& workload, torch::optim::Optimizer& optimizer, distributed::ProcessGroup& pg) {
+  // Nothing non-finite is saved: a finite loss can still be followed by an update that overflows.
+  const fs::path target = fs::path(config.project_name) / fmt::format("checkpoint-{}", state.global_step);
+  require_finite_weights(engine.parameters(), engine.names(), pg, state.global_step, target.string());
   Checkpoint c;
   c.model_file = workload.checkpoint_model_file();
   c.extras = [&](const std::string& dir) { workload.write_checkpoint_extras(dir); };

@@ -78,8 +78,12 @@ void StepLog::write(const nlohmann::json& j) {
   tensorboard_->flush();
 }
 
-void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm) {
-  window_loss_ += step_loss_;
+void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm, bool loss_counted,
+                       int64_t skipped_steps) {
+  if (loss_counted) {
+    window_loss_ += step_loss_;
+    window_loss_steps_ += 1;
+  }
   step_loss_ = 0;
   window_steps_ += 1;
   const bool main = pg_.rank() == 0;
@@ -95,13 +99,15 @@ void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm) 
     }
     return;
   }
-  auto t = torch::tensor({window_loss_, static_cast<double>(window_steps_), static_cast<double>(window_samples_),
+  auto t = torch::tensor({window_loss_, static_cast<double>(window_loss_steps_), static_cast<double>(window_samples_),
                           static_cast<double>(window_tokens_)},
                          torch::kDouble);
   pg_.allreduce_sum(t).wait();
   const double seconds = std::chrono::duration<double>(Clock::now() - window_start_).count();
   if (main) {
-    const double loss = t[0].item<double>() / t[1].item<double>();
+    // Every step of the window skipped for a non-finite loss: no mean (null in metrics.jsonl).
+    const bool has_loss = t[1].item<double>() > 0;
+    const double loss = has_loss ? t[0].item<double>() / t[1].item<double>() : std::nan("");
     const double sps = t[2].item<double>() / std::max(seconds, 1e-9);
     const double tps = t[3].item<double>() / std::max(seconds, 1e-9);
     // Time split: seconds per step on rank 0; compute is forward + backward minus the part
@@ -109,7 +115,7 @@ void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm) 
     const double per_step = 1.0 / std::max<int64_t>(1, window_steps_);
     nlohmann::json j = {{"step", step},
                         {"epoch", epoch},
-                        {"loss", loss},
+                        {"loss", has_loss ? nlohmann::json(loss) : nlohmann::json(nullptr)},
                         {"lr", lr},
                         {"grad_norm", grad_norm},
                         {"samples_per_s", sps},
@@ -118,6 +124,7 @@ void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm) 
                         {"time_comm_wait_s", split_.comm_wait * per_step},
                         {"time_data_wait_s", split_.data * per_step},
                         {"time_optimizer_s", split_.optimizer * per_step}};
+    if (skipped_steps > 0) j["skipped_steps"] = skipped_steps;
     write(j);
     const bool tokens = t[3].item<double>() > 0;
     obs::ProgressState ps{step, total_steps_, epoch, loss, sps, tokens ? tps : 0};
@@ -134,7 +141,7 @@ void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm) 
   }
   split_ = TimeSplit{};
   window_loss_ = 0;
-  window_steps_ = window_samples_ = window_tokens_ = 0;
+  window_steps_ = window_loss_steps_ = window_samples_ = window_tokens_ = 0;
   window_start_ = Clock::now();
 }
 

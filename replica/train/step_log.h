@@ -43,9 +43,12 @@ class StepLog {
   // One micro-step's loss (as backpropagated), samples and tokens.
   void add_micro_step(double loss, int64_t samples, int64_t tokens);
   // After optimizer step `step`: on logging steps (collective there) the window's means are
-  // written; on the others the bar moves.
+  // written; on the others the bar moves. `loss_counted` false: the step was skipped for a
+  // non-finite loss, which stays out of the window's mean (every rank passes the same);
+  // `skipped_steps` > 0: the run's count of such steps so far, written with the line.
   bool is_logged(int64_t step) const;
-  void end_step(int64_t step, double epoch, double lr, double grad_norm);
+  void end_step(int64_t step, double epoch, double lr, double grad_norm, bool loss_counted = true,
+                int64_t skipped_steps = 0);
   // An evaluation's sums from this worker (collective). Rank 0 writes them and returns the
   // metrics line (for trainer_state.json's log_history); others return null.
   nlohmann::json evaluation(int64_t step, double epoch, const EvalSums& local);
@@ -63,7 +66,7 @@ class StepLog {
   std::optional<obs::Progress> progress_;
   TimeSplit split_;
   double step_loss_ = 0, window_loss_ = 0;
-  int64_t window_steps_ = 0, window_samples_ = 0, window_tokens_ = 0;
+  int64_t window_steps_ = 0, window_loss_steps_ = 0, window_samples_ = 0, window_tokens_ = 0;
   std::chrono::steady_clock::time_point window_start_;
 };
 

@@ -10,6 +10,7 @@
 #include "replica/obs/timeline.h"
 #include "replica/train/engine.h"
 #include "replica/train/loss_scale.h"
+#include "replica/train/nonfinite.h"
 #include "replica/train/optim.h"
 #include "replica/train/run_state.h"
 #include "replica/train/schedule.h"
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -166,6 +168,7 @@ class Loop {
     const double item_scale = loss_item_scale(micro_batches);
     data_span.reset();
     log_.split().data += since(data_start);
+    StepLosses losses;
     for (int64_t k = 0; k < group; ++k) {
       const std::vector<int64_t>& indices = micro_batches[k];
       // The micro-batch after this one (within the epoch), for the workload to prepare meanwhile.
@@ -183,23 +186,44 @@ class Loop {
       }
       log_.split().backward += since(backward_start);
       log_.split().comm_wait += engine_.comm_wait_seconds() - comm_wait_before;
-      log_.add_micro_step(loss.item<double>(), static_cast<int64_t>(indices.size()), workload_.tokens_in(indices));
+      const double value = loss.item<double>();
+      losses.add(value);
+      log_.add_micro_step(value, static_cast<int64_t>(indices.size()), workload_.tokens_in(indices));
     }
     const auto optimizer_start = Clock::now();
+    const int64_t step_number = state_.global_step + 1;
+    bool stepped = false;
     {
       obs::Span optimizer_span("optimizer step", "compute");
-      // fp16: gradients back to their true size; an overflow on any rank skips the step on all.
-      const bool finite = scaler_.unscale_and_check(engine_.parameters(), pg_);
-      if (finite) {
+      // fp16: gradients back to their true size; an overflow (or a NaN/Inf loss) on any rank
+      // skips the step on all, whatever nonfinite_loss says: the scaler's own remedy.
+      const bool finite = scaler_.unscale_and_check(engine_.parameters(), pg_, !losses.finite());
+      // Otherwise a NaN/Inf loss on any rank (nonfinite.h: every rank decides alike).
+      std::string nonfinite;
+      if (!scaler_.enabled()) {
+        const NonfiniteLosses bad = agree_on_losses(losses, pg_);
+        if (bad.found) nonfinite = fmt::format("the training loss is not finite ({})", bad.where);
+      }
+      if (finite && nonfinite.empty()) {
         // The global norm over every worker's gradients: clipped when asked, logged anyway.
-        if (p_.max_grad_norm > 0 || log_.is_logged(state_.global_step + 1)) {
+        if (p_.max_grad_norm > 0 || log_.is_logged(step_number)) {
           grad_norm_ = engine_.clip_grad_norm(p_.max_grad_norm > 0 ? p_.max_grad_norm
                                                                    : std::numeric_limits<double>::infinity());
+          // Finite losses can still give gradients that overflow; the norm is the same on every
+          // rank (global), so this decision is too. (fp16's were checked by the scaler.)
+          if (!scaler_.enabled() && !std::isfinite(grad_norm_)) {
+            nonfinite = fmt::format("the gradient norm is {} (every worker's loss is finite)", grad_norm_);
+          }
         }
+      }
+      if (!nonfinite.empty()) skip_nonfinite_step(step_number, nonfinite);  // or stops the run
+      if (finite && nonfinite.empty()) {
         optimizer_.step();
-      } else if (pg_.rank() == 0) {
-        spdlog::warn("step {}: fp16 gradients overflowed; step skipped, loss scale {} -> {}", state_.global_step + 1,
-                     scaler_.scale(), scaler_.scale() * LossScaler::kBackoffFactor);
+        stepped = true;
+      } else if (!finite && pg_.rank() == 0) {
+        spdlog::warn("step {}: fp16 gradients overflowed{}; step skipped, loss scale {} -> {}", step_number,
+                     losses.finite() ? "" : " (or a loss was NaN/Inf)", scaler_.scale(),
+                     scaler_.scale() * LossScaler::kBackoffFactor);
       }
       engine_.after_step();  // collective where sharded: every rank, stepped or not
       scaler_.update(finite);
@@ -209,8 +233,25 @@ class Loop {
     log_.split().optimizer += since(optimizer_start);
     state_.micro_step += group;
     state_.global_step += 1;
+    // A step skipped for a non-finite loss (either way) keeps it out of the logged mean.
+    const bool loss_counted = stepped || losses.finite();
     log_.end_step(state_.global_step, epoch_progress(),
-                  learning_rate(p_.scheduler, p_.lr, state_.global_step - 1, total_steps_, warmup_), grad_norm_);
+                  learning_rate(p_.scheduler, p_.lr, state_.global_step - 1, total_steps_, warmup_), grad_norm_,
+                  loss_counted, state_.nonfinite_skipped_steps);
+  }
+
+  // A step whose loss (or gradient norm) is NaN/Inf on some rank: nonfinite_loss stop ends the
+  // run here, before the update (the same error on every rank, none left waiting); skip drops
+  // the step's gradients, counts it and says so, like fp16's scaler does for an overflow.
+  void skip_nonfinite_step(int64_t step, const std::string& what) {
+    if (p_.nonfinite_loss == NonfiniteLoss::Stop) fail("{}", nonfinite_stop_message(step, what));
+    for (torch::Tensor param : engine_.parameters()) param.mutable_grad() = torch::Tensor();
+    grad_norm_ = std::nan("");  // none for this step (null in metrics.jsonl), not the last step's
+    state_.nonfinite_skipped_steps += 1;
+    if (pg_.rank() == 0) {
+      spdlog::warn("step {}: {}; step skipped (nonfinite_loss: skip), {} skipped so far", step, what,
+                   state_.nonfinite_skipped_steps);
+    }
   }
 
   // Token-weighted workloads: the loss terms of the whole global batch (every micro-batch of
@@ -344,11 +385,17 @@ int run_worker(const RunConfig& config) {
   Loop loop(config, *pg, *workload, *engine, *optimizer, state, start);
   loop.run();
   loop.finish_console();
+  // Nothing non-finite is saved (a finite loss can still be followed by an update that overflows).
+  require_finite_weights(engine->parameters(), engine->names(), *pg, state.global_step, (project / "final").string());
   pg->barrier();
   engine->gather_full_model();
   if (main) {
     workload->save_final((project / "final").string());
-    spdlog::info("done: {} steps in {:.1f} s; model in {}/final", state.global_step, since(run_start),
+    const std::string skipped =
+        state.nonfinite_skipped_steps == 0
+            ? ""
+            : fmt::format(" ({} skipped for a NaN/Inf loss)", state.nonfinite_skipped_steps);
+    spdlog::info("done: {} steps{} in {:.1f} s; model in {}/final", state.global_step, skipped, since(run_start),
                  config.project_name);
     // The curves of the run, for a person to open; a missing gnuplot is a note, not a failure.
     try {

@@ -155,6 +155,49 @@ TEST_F(CheckpointTest, ListingIsNumericNewestFirstAndIgnoresOtherEntries) {
   EXPECT_TRUE(replica::train::list_checkpoints((dir_ / "missing").string()).empty());
 }
 
+// A symbolic link named like the newest checkpoint (here to a whole checkpoint of another
+// project) is not replica's: rotation with save_total_limit 1 once took it for the newest and
+// deleted every real checkpoint. Now it is neither listed, resumed from, rotated nor followed,
+// and neither is a directory of the user's without replica's completion marker.
+TEST_F(CheckpointTest, RotationAndResumeIgnoreASymlinkAndADirectoryReplicaDidNotWrite) {
+  const fs::path elsewhere = dir_ / "elsewhere";
+  replica::train::save_checkpoint(elsewhere.string(), make(5), 0);
+  fs::create_directories(dir_ / "project");
+  const std::string project = (dir_ / "project").string();
+  const auto at = [&](int64_t step) { return (dir_ / "project" / ("checkpoint-" + std::to_string(step))).string(); };
+  replica::train::save_checkpoint(project, make(10), 0);
+  replica::train::save_checkpoint(project, make(20), 0);
+  fs::create_directory_symlink(elsewhere / "checkpoint-5", dir_ / "project" / "checkpoint-999");
+  fs::create_directories(dir_ / "project" / "checkpoint-500");
+  std::ofstream(dir_ / "project" / "checkpoint-500" / "notes.txt") << "mine\n";
+
+  EXPECT_EQ(replica::train::list_checkpoints(project), (std::vector<std::string>{at(20), at(10)}));
+  auto latest = replica::train::latest_checkpoint(project);
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->state.global_step, 20);
+
+  replica::train::save_checkpoint(project, make(30), 1);
+  EXPECT_EQ(replica::train::list_checkpoints(project), (std::vector<std::string>{at(30)}));
+  EXPECT_EQ(replica::train::load_checkpoint(at(30)).state.global_step, 30);
+  EXPECT_TRUE(fs::is_symlink(dir_ / "project" / "checkpoint-999"));
+  EXPECT_EQ(replica::train::load_checkpoint((elsewhere / "checkpoint-5").string()).state.global_step, 5);
+  EXPECT_TRUE(fs::exists(dir_ / "project" / "checkpoint-500" / "notes.txt"));
+
+  // A save of a step whose name is held by something else is refused; nothing is replaced.
+  fs::create_directory_symlink(elsewhere / "checkpoint-5", dir_ / "project" / "checkpoint-40");
+  try {
+    replica::train::save_checkpoint(project, make(40), 1);
+    FAIL() << "saved over a symbolic link";
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot save " + at(40) + ": that name is taken by a symbolic link"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(fs::is_symlink(dir_ / "project" / "checkpoint-40"));
+  EXPECT_EQ(replica::train::load_checkpoint((elsewhere / "checkpoint-5").string()).state.global_step, 5);
+  EXPECT_EQ(replica::train::list_checkpoints(project), (std::vector<std::string>{at(30)}));
+}
+
 TEST_F(CheckpointTest, TemporaryCheckpointDirectoryIsIgnored) {
   replica::train::save_checkpoint(project(), make(10), 0);
   // What a crash in the middle of saving checkpoint-20 leaves behind.
