@@ -399,7 +399,8 @@ void MdsWriter::write(const MdsSample& sample) {
     body += datum;
   }
   for (const auto& [name, value] : sample) {
-    if (std::none_of(columns_.begin(), columns_.end(), [&](const auto& c) { return c.name == name; })) {
+    // (a structured binding cannot be captured in C++17: clang refuses it)
+    if (std::none_of(columns_.begin(), columns_.end(), [&column = name](const auto& c) { return c.name == column; })) {
       fail("MDS sample has a field '{}' that is no column of the dataset", name);
     }
   }

@@ -320,8 +320,9 @@ void Tokenizer::Impl::apply_config(const json& config, const std::string& path) 
         tok.content = t["content"].get<std::string>();
         tok.id = static_cast<int32_t>(id);
         // (nlohmann's value() would throw its own type_error for a non-boolean flag)
-        auto flag = [&](const char* name) {
-          const auto v = config_bool(t, name, path);
+        // (a structured binding cannot be captured in C++17: clang refuses it)
+        auto flag = [&, &entry = t](const char* name) {
+          const auto v = config_bool(entry, name, path);
           return v && *v;
         };
         tok.special = flag("special");
