@@ -2,6 +2,8 @@
 
 #include "replica/core/error.h"
 
+#include "replica/testing/error_in_child.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -353,43 +355,7 @@ TEST_F(SafetensorsTest, CorruptedHeadersNeverCrash) {
 }
 
 
-// Runs `load` in a child process that SIGALRM ends after 20 s, and returns the replica::Error
-// message it threw: a load that would hang (a FIFO opened before it is checked) or overflow
-// the stack (a header nested 500,000 deep) fails the test instead of hanging or crashing it.
-std::string error_in_child(const std::function<void()>& load) {
-  int fds[2];
-  if (::pipe(fds) != 0) return "pipe failed";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fds[0]);
-    ::alarm(20);
-    std::string out = "(no error)";
-    try {
-      load();
-    } catch (const replica::Error& e) {
-      out = e.what();
-    } catch (const std::exception& e) {
-      out = std::string("(not a replica::Error) ") + e.what();
-    }
-    for (size_t done = 0; done < out.size();) {
-      const ssize_t n = ::write(fds[1], out.data() + done, out.size() - done);
-      if (n <= 0) break;
-      done += static_cast<size_t>(n);
-    }
-    ::_exit(0);
-  }
-  ::close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (WIFSIGNALED(status)) {
-    return "(child killed by signal " + std::to_string(WTERMSIG(status)) + (WTERMSIG(status) == SIGALRM ? ": it hung)" : ")");
-  }
-  return out;
-}
+using replica::testing::error_in_child;
 
 TEST_F(SafetensorsTest, AShapeNestedHalfAMillionDeepIsRefusedWithoutRecursing) {
   // Before: the header parsed, then formatting "shape entry [[[...]]] is not an integer"
