@@ -5,9 +5,11 @@
 //   ||w_bf16 - w_fp32|| / ||w_fp32 - w_init|| <= bound
 // bf16 autocast rounds activations and gradients to 8 bits of mantissa, so the two runs drift
 // apart; a run whose bf16 path were broken (gradients lost, cast wrongly) is off by the order
-// of 1. Measured (2026-11-25): MLP 0.025, LoRA SFT 0.007 (bound 0.1); two-tower 0.15 (30 SGD
+// of 1. Measured (2026-11-25, AVX2): MLP 0.025, LoRA SFT 0.007 (bound 0.1); two-tower 0.15 (30 SGD
 // steps at lr 0.5 on embeddings), ResNet-18 0.19 (BatchNorm statistics and 20 conv layers
-// amplify the rounding) (bound 0.35). SGD keeps the comparison meaningful: Adam's normalised
+// amplify the rounding) (bound 0.35). On an AVX512-BF16 CPU (2026-11-27, oneDNN's bf16
+// convolutions): MLP 0.025, LoRA SFT 0.0069 (bf16 GEMMs through fp32) and 0.0071 (ATen's bf16
+// kernels; 1.37 before the recomputation cleared autocast's cache), two-tower 0.148, ResNet-18 0.333. SGD keeps the comparison meaningful: Adam's normalised
 // updates turn rounding noise in near-zero gradients into full-size steps. w_init comes from
 // the same run with a learning rate of 1e-30 for one step (the same seed and initialisation).
 #include "replica/testing/program_runner.h"
