@@ -344,7 +344,8 @@ std::string read_string(const YAML::Node& node, const std::string& key, const Ke
                               const std::string& elsewhere = "") {
   std::string suggestion = did_you_mean(key, candidates);
   if (suggestion.empty()) suggestion = elsewhere;
-  fail("{}unknown key '{}{}'{}", loc.at(key_node), section, key,
+  // At most 80 characters of a key the file made up (fuzz_config: a 4 KB key came back whole).
+  fail("{}unknown key '{}{}'{}", loc.at(key_node), section, key.size() <= 80 ? key : key.substr(0, 80) + "...",
        suggestion.empty() ? "" : fmt::format(" (did you mean '{}'?)", suggestion));
 }
 
@@ -804,7 +805,9 @@ std::string training_params_json(const RunConfig& c) {
   for (const KeySpec* k : keys_of(c.task)) {
     if (k->json && k->in_json(c)) j[k->name] = k->json(c);
   }
-  return j.dump(2) + "\n";
+  // A string value that is not UTF-8 (YAML takes any bytes) is written with U+FFFD in its place
+  // rather than throwing nlohmann's type_error (fuzz_config found it escaping).
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 namespace {
