@@ -11,7 +11,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   replica::fuzz::write_file("train-labels-idx1-ubyte", data + 2 + images, size - 2 - images);
   try {
     (void)replica::data::load_fashion_mnist(replica::fuzz::scratch_dir(), "train");
-  } catch (const replica::Error&) {
+  } catch (const replica::Error& e) {
+    replica::fuzz::check_message(e);
   }
   return 0;
 }

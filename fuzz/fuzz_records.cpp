@@ -10,7 +10,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       replica::fuzz::write_file(data[0] % 2 ? "records.csv" : "records.jsonl", data + 1, size - 1);
   try {
     (void)replica::data::read_records(path);
-  } catch (const replica::Error&) {
+  } catch (const replica::Error& e) {
+    replica::fuzz::check_message(e);
   }
   return 0;
 }

@@ -1,6 +1,7 @@
 // The rendezvous server's message parser (replica/distributed/store.h Session): bytes from the
 // network before and after the HMAC handshake. Input byte 0: bit 0 set = send a valid proof
 // first (so the command parser is reached); byte 1 = where to split the rest into two reads.
+#include "fuzz_input.h"
 #include "replica/core/error.h"
 #include "replica/distributed/store.h"
 

@@ -8,7 +8,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = replica::fuzz::write_file("model.safetensors", data, size);
   try {
     (void)replica::io::load_safetensors(path);
-  } catch (const replica::Error&) {
+  } catch (const replica::Error& e) {
+    replica::fuzz::check_message(e);
   }
   return 0;
 }
