@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -19,6 +20,11 @@ inline const std::string& scratch_dir() {
   static const std::string dir = [] {
     const std::string d = "/dev/shm/replica-fuzz-" + std::to_string(::getpid());
     std::filesystem::create_directories(d);
+    // Removed when the process exits normally (a crash leaves it: the input is in it too).
+    std::atexit([] {
+      std::error_code ignored;
+      std::filesystem::remove_all("/dev/shm/replica-fuzz-" + std::to_string(::getpid()), ignored);
+    });
     return d;
   }();
   return dir;

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Writes the hand-made seeds of the fuzz targets (fuzz/README.md): real files (chat templates,
-model configs) and the hostile classes of issue 35 (nesting deep enough to pass every bound,
-sizes that would allocate terabytes or wrap, templates that loop or recurse), each a few KB at
-most so that libFuzzer's input length stays small.
+model configs, DeepSpeed and MDS files) and the hostile classes of issue 35 (nesting deep enough
+to pass every bound, sizes that would allocate terabytes or wrap, templates that loop or recurse),
+each a few KB at most so that libFuzzer's input length stays small.
 
-    fuzz/seeds.py [OUT]    # OUT/<target>/seed-<name>; default fuzz/corpus
+    fuzz/seeds.py [OUT]    # OUT/<target>/seed-<name>; default /tmp/seeds
 
-The merged corpora in fuzz/corpus/ keep these seeds (libFuzzer's -merge keeps what adds
-coverage); run this again after a merge to put back any it dropped.
+The seeds are not committed: fuzz/corpus/<target>/ keeps the inputs that add coverage beyond
+them, and a run names both directories.
 """
 import json
 import os
@@ -372,11 +372,13 @@ def mds():
 
 TARGETS = {"fuzz_records": records, "fuzz_safetensors": safetensors, "fuzz_tokenizer": tokenizer,
            "fuzz_config": config, "fuzz_deepspeed": deepspeed, "fuzz_model_config": model_config,
-           "fuzz_chat_template": chat_template, "fuzz_mds": mds}
+           "fuzz_chat_template": chat_template, "fuzz_mds": mds,
+           # No hand-made seeds; the directory exists so that every target's command is the same.
+           "fuzz_idx": dict, "fuzz_rendezvous": dict}
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "fuzz/corpus")
+    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/seeds"
     for target, make in TARGETS.items():
         d = os.path.join(out, target)
         os.makedirs(d, exist_ok=True)
