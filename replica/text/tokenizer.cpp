@@ -313,7 +313,7 @@ void Tokenizer::Impl::apply_config(const json& config, const std::string& path) 
                text_excerpt(key), kMaxTokenId - 1);
         }
         if (!t.is_object() || !t.contains("content") || !t["content"].is_string()) {
-          fail("tokenizer_config.json '{}': added_tokens_decoder '{}' needs \"content\"", path, key);
+          fail("tokenizer_config.json '{}': added_tokens_decoder '{}' needs \"content\"", path, text_excerpt(key));
         }
         if (added_by_id.count(id)) continue;
         AddedToken tok;

@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "replica/core/text.h"
 #include "replica/core/error.h"
 #include "replica/text/tokenizer_impl.h"
 
@@ -81,12 +82,7 @@ size_t valid_seq(std::string_view s, size_t i, size_t& consumed) {
 
 }  // namespace
 
-std::string text_excerpt(std::string_view s, size_t max_bytes) {
-  if (s.size() <= max_bytes) return std::string(s);
-  size_t cut = max_bytes;
-  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
-  return std::string(s.substr(0, cut)) + "...";
-}
+std::string text_excerpt(std::string_view s, size_t max_bytes) { return replica::excerpt(s, max_bytes); }
 
 bool is_valid_utf8(std::string_view s) {
   size_t i = 0, consumed;

@@ -1,6 +1,7 @@
 #include "replica/train/deepspeed_config.h"
 
 #include "replica/core/error.h"
+#include "replica/core/text.h"
 #include "replica/core/files.h"
 #include "replica/core/json.h"
 #include "replica/train/loss_scale.h"
@@ -98,7 +99,7 @@ class Reader {
   [[noreturn]] void unsupported(const std::string& field) const {
     fail("{}: field '{}' is not implemented by replica (the fields it reads are listed in docs/yaml.md, "
          "\"DeepSpeed config\"); remove it",
-         file_, field.size() <= 80 ? field : field.substr(0, 80) + "...");
+         file_, excerpt(field));
   }
 
   static bool is_auto(const json& v) { return v.is_string() && v.get<std::string>() == "auto"; }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "replica/core/error.h"
+#include "replica/core/text.h"
 #include "replica/train/run_config.h"
 
 #include <fmt/format.h>
@@ -167,8 +168,25 @@ struct Codec<std::vector<int64_t>> {
   static constexpr const char* kind = "a list of positive integers";
   static constexpr const char* hint = "N,N,...";
   static bool read(const YAML::Node& n, std::vector<int64_t>& out, YAML::Node& culprit) {
-    // A flag may give the list as 256,128 (a YAML scalar).
-    if (n.IsScalar() && n.Scalar().find(',') != std::string::npos) return read(YAML::Load("[" + n.Scalar() + "]"), out, culprit);
+    // A flag may give the list as 256,128 (a YAML scalar): split at the commas, each piece an
+    // integer (not parsed again as YAML, whose errors would name neither the file nor the key).
+    if (n.IsScalar() && n.Scalar().find(',') != std::string::npos) {
+      std::vector<int64_t> values;
+      const std::string& text = n.Scalar();
+      for (std::size_t from = 0;;) {
+        const std::size_t comma = text.find(',', from);
+        std::string piece = text.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+        piece.erase(0, piece.find_first_not_of(" \t"));
+        piece.erase(piece.find_last_not_of(" \t") + 1);
+        const auto v = parse_int(piece);
+        if (!v || *v < 1) return false;
+        values.push_back(*v);
+        if (comma == std::string::npos) break;
+        from = comma + 1;
+      }
+      out = std::move(values);
+      return true;
+    }
     if (!n.IsSequence()) return false;
     std::vector<int64_t> values;
     for (const auto& item : n) {
@@ -385,7 +403,7 @@ class Key {
     if (!ok) {
       // No "did you mean" for a value: the lists are short and a near value (fp16 for fp32)
       // is rarely a typo.
-      if (enumeration_ && n.IsScalar()) fail("{}key '{}' must be {}, got '{}'", loc.at(n), key, kind_, n.Scalar());
+      if (enumeration_ && n.IsScalar()) fail("{}key '{}' must be {}, got '{}'", loc.at(n), key, kind_, excerpt(n.Scalar()));
       fail("{}key '{}' must be {}, got {}", loc.at(culprit), key, kind_, describe(culprit));
     }
     return value;

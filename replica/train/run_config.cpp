@@ -5,6 +5,7 @@
 #include "replica/train/deepspeed_config.h"
 
 #include "replica/core/error.h"
+#include "replica/core/text.h"
 #include "replica/core/files.h"
 #include "replica/core/suggest.h"
 #include "replica/train/keys.h"
@@ -31,7 +32,7 @@ std::string describe(const YAML::Node& node) {
   if (node.IsMap()) return "a mapping";
   if (node.IsSequence()) return "a list";
   if (node.IsNull()) return "null";
-  return "'" + node.Scalar() + "'";
+  return "'" + excerpt(node.Scalar()) + "'";
 }
 
 std::string float_text(double value) {
@@ -330,7 +331,7 @@ LogFormat log_format_of(const std::string& value, const std::string& where, bool
          from_flag ? "--log wandb" : "log 'wandb'", Codec<LogFormat>::names());
   }
   auto format = enum_from<LogFormat>(value);
-  if (!format) fail("{}{} must be one of {}, got '{}'", where, from_flag ? "--log" : "key 'log'", Codec<LogFormat>::names(), value);
+  if (!format) fail("{}{} must be one of {}, got '{}'", where, from_flag ? "--log" : "key 'log'", Codec<LogFormat>::names(), excerpt(value));
   return *format;
 }
 
@@ -344,8 +345,8 @@ std::string read_string(const YAML::Node& node, const std::string& key, const Ke
                               const std::string& elsewhere = "") {
   std::string suggestion = did_you_mean(key, candidates);
   if (suggestion.empty()) suggestion = elsewhere;
-  // At most 80 characters of a key the file made up (fuzz_config: a 4 KB key came back whole).
-  fail("{}unknown key '{}{}'{}", loc.at(key_node), section, key.size() <= 80 ? key : key.substr(0, 80) + "...",
+  // A key the file made up is shown by its excerpt (fuzz_config: a 4 KB key came back whole).
+  fail("{}unknown key '{}{}'{}", loc.at(key_node), section, excerpt(key),
        suggestion.empty() ? "" : fmt::format(" (did you mean '{}'?)", suggestion));
 }
 
@@ -378,12 +379,12 @@ bool check_section(const YAML::Node& node, const std::string& key, const KeyLoca
 void check_one_of(const KeyLocation& loc, const std::string& key, const std::string& value,
                   const std::vector<std::string>& allowed) {
   if (contains(allowed, value)) return;
-  fail("{}key '{}' must be one of {}, got '{}'", loc.where(key), key, join_names(allowed, ", "), value);
+  fail("{}key '{}' must be one of {}, got '{}'", loc.where(key), key, join_names(allowed, ", "), excerpt(value));
 }
 
 void check_path(const KeyLocation& loc, const std::string& key, const std::string& path) {
   std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) fail("{}{} '{}' does not exist", loc.where(key), key, path);
+  if (!std::filesystem::exists(path, ec)) fail("{}{} '{}' does not exist", loc.where(key), key, excerpt(path, 200));
 }
 
 // The ZeRO keys that only make sense together (DeepSpeed's own rules where it has them).
@@ -540,7 +541,7 @@ Task read_task(const YAML::Node& node, KeyLocation& loc, const YAML::Node& key_n
   loc.note("task", key_node);
   auto task = enum_from<Task>(name);
   if (!task) {
-    fail("{}key 'task' must be one of {}, got '{}'", loc.where("task"), Codec<Task>::names(), name);
+    fail("{}key 'task' must be one of {}, got '{}'", loc.where("task"), Codec<Task>::names(), excerpt(name));
   }
   return *task;
 }
@@ -609,6 +610,13 @@ namespace {
 
 // The keys of a YAML file, unchecked: flags may still set what it leaves out.
 RunConfig read_config(const std::string& yaml_text, const std::string& source_name, KeyLocation& loc) {
+  // YAML is Unicode text; yaml-cpp takes any bytes, and a string that is not UTF-8 could not be
+  // written back (config.yaml's emitter replaces the bytes: another project_name; nlohmann's
+  // dump of training_params.json throws). Refused where it is read, naming the line.
+  if (const auto bad = invalid_utf8_offset(yaml_text)) {
+    const auto line = 1 + std::count(yaml_text.begin(), yaml_text.begin() + static_cast<std::ptrdiff_t>(*bad), '\n');
+    fail("{}:{}: not valid UTF-8 (byte {} of the file)", source_name, line, *bad);
+  }
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
@@ -669,6 +677,7 @@ const std::vector<std::string> kTopFlags = {"model",         "base_model",    "p
                                             "messages_column", "prompt_column", "completion_column"};
 
 void apply_flag(RunConfig& c, const std::string& typed, const std::string& value, KeyLocation& loc) {
+  if (invalid_utf8_offset(value)) fail("--{}: the value is not valid UTF-8", excerpt(typed));
   std::string name = typed;
   std::replace(name.begin(), name.end(), '-', '_');
   const bool takes_base_model = task_spec(c.task).models.empty();
@@ -805,9 +814,8 @@ std::string training_params_json(const RunConfig& c) {
   for (const KeySpec* k : keys_of(c.task)) {
     if (k->json && k->in_json(c)) j[k->name] = k->json(c);
   }
-  // A string value that is not UTF-8 (YAML takes any bytes) is written with U+FFFD in its place
-  // rather than throwing nlohmann's type_error (fuzz_config found it escaping).
-  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  // Every string here is UTF-8 (read_config and apply_flag refuse any other).
+  return j.dump(2) + "\n";
 }
 
 namespace {

@@ -104,3 +104,26 @@ TEST(RegularFiles, ASizeOverTheBoundIsRefusedBeforeReading) {
 
 }  // namespace
 }  // namespace replica
+
+#include "replica/core/text.h"
+
+namespace replica {
+namespace {
+
+TEST(TextExcerpt, CutsAtACharacterBoundaryAndSaysSo) {
+  EXPECT_EQ(excerpt("short"), "short");
+  EXPECT_EQ(excerpt(std::string(100, 'k'), 10), "kkkkkkkkkk...");
+  EXPECT_EQ(excerpt("aaaaaaaaa\xc3\xa9", 10), "aaaaaaaaa...");  // é not split
+}
+
+TEST(TextUtf8, FindsTheFirstByteThatIsNotWellFormed) {
+  EXPECT_FALSE(invalid_utf8_offset("plain, caf\xc3\xa9, \xe2\x82\xac, \xf0\x9f\x98\x80"));
+  EXPECT_EQ(invalid_utf8_offset("ab\x9d"), 2u);             // a lone continuation byte
+  EXPECT_EQ(invalid_utf8_offset("a\xc0\xaf"), 1u);          // overlong
+  EXPECT_EQ(invalid_utf8_offset("\xed\xa0\x80"), 0u);       // a surrogate
+  EXPECT_EQ(invalid_utf8_offset("\xf4\x90\x80\x80"), 0u);   // past U+10FFFF
+  EXPECT_EQ(invalid_utf8_offset("x\xe2\x82"), 1u);          // cut short
+}
+
+}  // namespace
+}  // namespace replica

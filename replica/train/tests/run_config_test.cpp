@@ -615,3 +615,25 @@ TEST_F(ConfigTest, EqualityComparesEveryKeyOfEveryTable) {
     }
   }
 }
+
+namespace {
+
+// Found by fuzz_config (2026-11-27): a list given as a scalar with commas was parsed again as
+// YAML, whose error named neither file nor key; a long made-up value came back whole in the
+// message; a string that is not UTF-8 was accepted and then written back as another string.
+TEST_F(ConfigTest, HostileScalarsAreNamedByFileLineAndKeyAndShownByExcerpt) {
+  const std::string list = error_of(image_yaml("  hidden_sizes: \"1,]\"\n"));
+  EXPECT_NE(list.find("run.yaml:7"), std::string::npos) << list;
+  EXPECT_NE(list.find("hidden_sizes"), std::string::npos) << list;
+  EXPECT_EQ(list.find("yaml-cpp"), std::string::npos) << list;
+  EXPECT_NO_THROW(parse_config(image_yaml("  hidden_sizes: \"256, 128\"\n"), "run.yaml"));
+
+  const std::string long_value = error_of(image_yaml("  lr: \"" + std::string(5000, 'x') + "\"\n"));
+  EXPECT_NE(long_value.find("run.yaml:7"), std::string::npos) << long_value;
+  EXPECT_LT(long_value.size(), 400u) << long_value;
+
+  const std::string bytes = error_of("task: image-classification\nproject_name: \"\x17\x9d\"\n");
+  EXPECT_EQ(bytes, "run.yaml:2: not valid UTF-8 (byte 43 of the file)");
+}
+
+}  // namespace
