@@ -46,12 +46,6 @@ const std::vector<Unsupported>& unsupported_flags() {
       {"username", "", "replica does not upload to the Hugging Face Hub"},
       {"auto_find_batch_size", "false", "set --batch-size (and --gradient-accumulation) instead"},
       {"eval_strategy", "epoch", "replica evaluates at the end of each epoch (or every eval_every steps)"},
-      {"model_ref", "", "it belongs to the DPO/ORPO trainers; replica's llm trainer is sft"},
-      {"dpo_beta", "", "it belongs to the DPO trainer; replica's llm trainer is sft"},
-      {"max_prompt_length", "", "it belongs to the DPO/ORPO trainers; replica's llm trainer is sft"},
-      {"max_completion_length", "", "it belongs to the DPO/ORPO trainers; replica's llm trainer is sft"},
-      {"prompt_text_column", "", "it belongs to the DPO/ORPO trainers; use --prompt-column and --completion-column"},
-      {"rejected_text_column", "", "it belongs to the DPO/ORPO trainers; replica's llm trainer is sft"},
   };
   return u;
 }

@@ -157,7 +157,8 @@ std::vector<std::string> hf_weight_files(const std::string& dir) {
   return {files.begin(), files.end()};
 }
 
-torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir, const QuantOptions& quant) {
+torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir, const QuantOptions& quant,
+                                  HfExtraTensors* extra) {
   const auto files = hf_weight_files(dir);
   // Which shard the index says each tensor is in (checked when the shard is read).
   std::map<std::string, std::string> expected_file;
@@ -211,6 +212,10 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
       if (ends_with(name, "rotary_emb.inv_freq")) continue;    // old checkpoints saved this buffer
       if (tied && name == "lm_head.weight") continue;          // the embedding is the head
       auto it = params.find(name);
+      if (it == params.end() && extra && extra->take.count(name)) {
+        if (!extra->taken.emplace(name, tensor).second) fail("{}: tensor {} appears in more than one weight file", path, name);
+        continue;
+      }
       if (it == params.end()) {
         fail("{}: tensor {} is not a parameter of this {} model (unsupported architecture variant?)", path, name,
              model->config().model_type);
@@ -245,7 +250,9 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
     }
   }
   for (const auto& [name, tensor] : params) {
-    if (!loaded.count(name)) fail("{}: weight {} is missing from {}", dir, name, fmt::join(files, ", "));
+    if (!loaded.count(name) && !(extra && extra->may_be_missing.count(name))) {
+      fail("{}: weight {} is missing from {}", dir, name, fmt::join(files, ", "));
+    }
   }
   // The embeddings and an untied head, once read whole (models/llama.cpp: Note [quantized embeddings]).
   if (quant.enabled() && quant.embeddings) model->quantize_embeddings(quant);
@@ -253,12 +260,13 @@ torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& di
   return model->checkpoint_dtype();
 }
 
-LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype, const QuantOptions& quant) {
+LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype, const QuantOptions& quant,
+                               HfExtraTensors* extra) {
   LlamaConfig config = read_hf_config(dir);
   // Before anything is allocated: Note [config against weights].
   check_config_against_weights(config, (fs::path(dir) / "config.json").string(), hf_weight_files(dir));
   LlamaForCausalLM model(config, dtype, /*init=*/false);
-  load_hf_weights(model, dir, quant);
+  load_hf_weights(model, dir, quant, extra);
   return model;
 }
 

@@ -17,6 +17,8 @@
 #include "replica/models/llama.h"
 
 #include <optional>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,12 +39,22 @@ std::vector<std::string> hf_weight_files(const std::string& dir);
 // weight is read (converted to `dtype` first), so the full-precision model is never resident
 // at once: QLoRA's load_in_4bit / load_in_8bit. With quant.embeddings, the token embeddings and
 // an untied lm_head are quantized too, once loaded.
-torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir, const QuantOptions& quant = {});
+// `extra`: tensors the directory may hold beside the model's parameters (collected into
+// extra->taken instead of refused) and parameters it may lack (left as they are): a reward
+// model reads a causal LM's checkpoint (no score head) or a LlamaForSequenceClassification's
+// (score.weight, no lm_head).
+struct HfExtraTensors {
+  std::set<std::string> take;
+  std::set<std::string> may_be_missing;
+  std::map<std::string, torch::Tensor> taken;
+};
+torch::ScalarType load_hf_weights(LlamaForCausalLM& model, const std::string& dir, const QuantOptions& quant = {},
+                                  HfExtraTensors* extra = nullptr);
 
 // config.json + weights: a model with parameters in `dtype` (fp32 by default), its decoder
 // linears quantized when `quant` says so.
 LlamaForCausalLM load_hf_model(const std::string& dir, torch::ScalarType dtype = torch::kFloat32,
-                               const QuantOptions& quant = {});
+                               const QuantOptions& quant = {}, HfExtraTensors* extra = nullptr);
 
 // The model's weights under their HF names in `dtype` (default: its checkpoint dtype), on
 // CPU, contiguous; for tied models without lm_head.weight. replica::Error if LoRA adapters

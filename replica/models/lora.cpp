@@ -145,7 +145,7 @@ LoraLinearImpl::LoraLinearImpl(int64_t in_features, int64_t out_features, bool w
 torch::Tensor LoraLinearImpl::forward(const torch::Tensor& x) {
   // The frozen base layer: x W^T + b (W dequantized for this call when it is held quantized).
   auto result = quantized_.defined() ? quantized_linear(x, quantized_, bias) : models::linear(x, weight, bias);
-  if (lora_A.is_empty()) return result;
+  if (lora_A.is_empty() || AdaptersDisabled::active()) return result;
   // PEFT Linear.forward: the LoRA branch runs in the adapter's dtype on the (dropped-out)
   // input, scaled, added, and the sum cast back to the base output's dtype.
   // Note [LoRA's input path keeps a mask, not copies]: lora_A(dropout(x)) saving x and a mask.
@@ -365,8 +365,18 @@ void load_lora_state_dict(torch::nn::Module& model, const io::NamedTensors& tens
   }
 }
 
-void save_adapter(const torch::nn::Module& model, const LoraConfig& config, const std::string& dir) {
-  const auto tensors = lora_state_dict(model);
+namespace {
+thread_local int adapters_disabled_depth = 0;
+}  // namespace
+
+AdaptersDisabled::AdaptersDisabled() { ++adapters_disabled_depth; }
+AdaptersDisabled::~AdaptersDisabled() { --adapters_disabled_depth; }
+bool AdaptersDisabled::active() { return adapters_disabled_depth > 0; }
+
+void save_adapter(const torch::nn::Module& model, const LoraConfig& config, const std::string& dir,
+                  const io::NamedTensors& extra) {
+  auto tensors = lora_state_dict(model);
+  for (const auto& item : extra) tensors.push_back(item);
   if (tensors.empty()) fail("save_adapter: the model has no LoRA adapters");
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -394,7 +404,7 @@ void save_adapter(const torch::nn::Module& model, const LoraConfig& config, cons
   j["lora_dropout"] = config.lora_dropout;
   j["megatron_config"] = nullptr;
   j["megatron_core"] = "megatron.core";
-  j["modules_to_save"] = nullptr;
+  j["modules_to_save"] = config.modules_to_save.empty() ? json(nullptr) : json(config.modules_to_save);
   j["peft_type"] = "LORA";
   j["r"] = config.r;
   j["rank_pattern"] = json::object();
@@ -404,7 +414,7 @@ void save_adapter(const torch::nn::Module& model, const LoraConfig& config, cons
   } else {
     j["target_modules"] = config.target_modules;
   }
-  j["task_type"] = "CAUSAL_LM";
+  j["task_type"] = config.task_type;
   j["use_dora"] = false;
   j["use_rslora"] = config.use_rslora;
 

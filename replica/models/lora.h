@@ -116,6 +116,10 @@ struct LoraConfig {
   bool target_modules_is_regex = false;
   bool use_rslora = false;           // scaling = lora_alpha / sqrt(r)
   std::string base_model_name_or_path;
+  // What adapter_config.json says the adapter is for: CAUSAL_LM, or SEQ_CLS (a reward model,
+  // whose score head is trained whole and saved beside the adapter: modules_to_save).
+  std::string task_type = "CAUSAL_LM";
+  std::vector<std::string> modules_to_save;
 
   double scaling() const;
 };
@@ -143,8 +147,10 @@ void load_lora_state_dict(torch::nn::Module& model, const io::NamedTensors& tens
                           const std::string& source = "adapter");
 
 // Writes DIR/adapter_config.json (PEFT's layout, inference_mode true) and
-// DIR/adapter_model.safetensors (fp32 as trained; atomic writes). Creates DIR.
-void save_adapter(const torch::nn::Module& model, const LoraConfig& config, const std::string& dir);
+// DIR/adapter_model.safetensors (fp32 as trained; atomic writes). Creates DIR. `extra`: further
+// tensors of the file under their PEFT names (modules_to_save: base_model.model.score.weight).
+void save_adapter(const torch::nn::Module& model, const LoraConfig& config, const std::string& dir,
+                  const io::NamedTensors& extra = {});
 // Reads DIR/adapter_config.json; replica::Error naming the file and the field for what
 // replica does not support (peft_type other than LORA, use_dora, modules_to_save,
 // rank_pattern/alpha_pattern, layers_to_transform, bias other than none, fan_in_fan_out...).
@@ -156,6 +162,18 @@ LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir);
 // returns how many were merged. Base parameters stay frozen (requires_grad unchanged).
 // replica::Error naming the layer when its base is quantized.
 int merge_lora(torch::nn::Module& model);
+// While one lives, on this thread, every LoraLinear computes its base layer alone: PEFT's
+// disable_adapter(), which DPO's reference model is under peft (the frozen base without a
+// second copy in memory).
+class AdaptersDisabled {
+ public:
+  AdaptersDisabled();
+  ~AdaptersDisabled();
+  AdaptersDisabled(const AdaptersDisabled&) = delete;
+  AdaptersDisabled& operator=(const AdaptersDisabled&) = delete;
+  static bool active();
+};
+
 // True when any LoraLinear of `model` carries an adapter.
 bool has_lora(const torch::nn::Module& model);
 

@@ -87,6 +87,8 @@ bool is_tokenizer_file(const std::string& name) {
          name == "chat_template.json";
 }
 
+}  // namespace
+
 void copy_tokenizer_files(const std::string& from, const std::string& to) {
   for (const auto& entry : fs::directory_iterator(from)) {
     const std::string name = entry.path().filename().string();
@@ -94,6 +96,8 @@ void copy_tokenizer_files(const std::string& from, const std::string& to) {
     copy_file_atomically(entry.path().string(), (fs::path(to) / name).string());
   }
 }
+
+namespace {
 
 std::string records_where(const std::string& file, size_t index) {
   return fmt::format("{} record {}", file, index + 1);
@@ -397,7 +401,7 @@ LlmSftSettings llm_sft_settings(const RunConfig& config) {
 }
 
 // params.quantization and params.quantize_embeddings as the loader takes them.
-static models::QuantOptions quant_options_of(const RunConfig& config) {
+models::QuantOptions quant_options_of(const RunConfig& config) {
   auto options = models::quant_options(config.llm.quantization, "params.quantization");
   options.embeddings = config.llm.quantize_embeddings;
   return options;
@@ -448,6 +452,68 @@ void check_llm_sft_config(const RunConfig& config) {
   if (s.block_size < 2) fail("params.block_size must be at least 2 (or -1), got {}", s.block_size);
 }
 
+models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const WorkloadContext& context,
+                                               const std::string& tag, models::LoraConfig* lora,
+                                               models::HfExtraTensors* extra) {
+  const LlmSftSettings settings = llm_sft_settings(config);
+  models::LlamaForCausalLM model{nullptr};
+  const bool main = context.is_main();
+  const bool bf16 = config.params.mixed_precision == Precision::Bf16;
+  // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
+  // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
+  const auto dtype = settings.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
+  // quantization: every decoder linear quantized as it is read (QLoRA's load_in_4bit/8bit).
+  const auto quant = quant_options_of(config);
+  model = models::load_hf_model(config.base_model, dtype, quant, extra);
+  if (main) spdlog::info("{}: model {}", tag, models::describe_model(model->config()));
+  if (quant.enabled() && main) {
+    constexpr double kMiB = 1024.0 * 1024.0;
+    const auto m = models::base_memory(*model);
+    spdlog::info("{}: base quantized to {}: {} weights ({}) in {:.2f} MiB ({:.3f}x fp16), the whole "
+                 "base {:.2f} MiB ({:.3f}x fp16; {} in {})",
+                 tag, models::describe(quant), m.quantized_layers,
+                 quant.embeddings ? "decoder linears, embeddings, head" : "decoder linears", m.quantized_bytes / kMiB,
+                 static_cast<double>(m.quantized_bytes) / static_cast<double>(m.quantized_fp16_bytes),
+                 m.bytes / kMiB, static_cast<double>(m.bytes) / static_cast<double>(m.fp16_bytes),
+                 quant.embeddings ? "norms" : "embeddings, head and norms", models::dtype_to_string(dtype));
+  }
+  if (config.llm.router_aux_loss_coef >= 0) {
+    try {
+      model->set_router_aux_loss(config.llm.router_aux_loss_coef);
+    } catch (const Error& e) {
+      fail("params.router_aux_loss_coef: {} ({})", e.what(), config.base_model);
+    }
+  }
+  if (main && model->config().output_router_logits) {
+    spdlog::info("{}: the router's load-balancing loss x {} added to the training loss", tag,
+                 model->config().router_aux_loss_coef);
+  }
+  // AutoTrain's default: every decoder layer recomputed in backward (models/recompute.h).
+  model->model->set_gradient_checkpointing(!config.llm.disable_gradient_checkpointing);
+  if (settings.peft) {
+    *lora = settings.lora;
+    const auto adapted = models::apply_lora(*model, *lora);
+    if (main) {
+      // A quantized weight is not a parameter any more; it still counts in the model's size.
+      int64_t trainable = 0, total = models::base_memory(*model).quantized_fp16_bytes / 2;
+      for (const auto& p : model->parameters()) {
+        total += p.numel();
+        if (p.requires_grad()) trainable += p.numel();
+      }
+      spdlog::info("{}: LoRA r {} alpha {} dropout {} on {} modules ({}); {} trainable of {} parameters", tag,
+                   lora->r, lora->lora_alpha, lora->lora_dropout, adapted.size(),
+                   fmt::join(lora->target_modules, ","), trainable, total);
+    }
+  } else if (main) {
+    spdlog::info("{}: full fine-tuning of {} parameters", tag, [&] {
+      int64_t n = 0;
+      for (const auto& p : model->parameters()) n += p.numel();
+      return n;
+    }());
+  }
+  return model;
+}
+
 namespace {
 
 // Reads and encodes one split; samples with nothing to predict are dropped (counted).
@@ -486,60 +552,7 @@ class LlmSft final : public Workload {
       : config_(config), context_(context), settings_(llm_sft_settings(config)) {
     check_llm_sft_config(config);
     const bool main = context.is_main();
-    const bool bf16 = config.params.mixed_precision == Precision::Bf16;
-    // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
-    // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
-    const auto dtype = settings_.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
-    // quantization: every decoder linear quantized as it is read (QLoRA's load_in_4bit/8bit).
-    const auto quant = quant_options_of(config);
-    model_ = models::load_hf_model(config.base_model, dtype, quant);
-    if (main) spdlog::info("llm-sft: model {}", models::describe_model(model_->config()));
-    if (quant.enabled() && main) {
-      constexpr double kMiB = 1024.0 * 1024.0;
-      const auto m = models::base_memory(*model_);
-      spdlog::info("llm-sft: base quantized to {}: {} weights ({}) in {:.2f} MiB ({:.3f}x fp16), the whole "
-                   "base {:.2f} MiB ({:.3f}x fp16; {} in {})",
-                   models::describe(quant), m.quantized_layers,
-                   quant.embeddings ? "decoder linears, embeddings, head" : "decoder linears", m.quantized_bytes / kMiB,
-                   static_cast<double>(m.quantized_bytes) / static_cast<double>(m.quantized_fp16_bytes),
-                   m.bytes / kMiB, static_cast<double>(m.bytes) / static_cast<double>(m.fp16_bytes),
-                   quant.embeddings ? "norms" : "embeddings, head and norms", models::dtype_to_string(dtype));
-    }
-    if (config.llm.router_aux_loss_coef >= 0) {
-      try {
-        model_->set_router_aux_loss(config.llm.router_aux_loss_coef);
-      } catch (const Error& e) {
-        fail("params.router_aux_loss_coef: {} ({})", e.what(), config.base_model);
-      }
-    }
-    if (main && model_->config().output_router_logits) {
-      spdlog::info("llm-sft: the router's load-balancing loss x {} added to the training loss",
-                   model_->config().router_aux_loss_coef);
-    }
-    // AutoTrain's default: every decoder layer recomputed in backward (models/recompute.h).
-    model_->model->set_gradient_checkpointing(!config.llm.disable_gradient_checkpointing);
-    if (settings_.peft) {
-      lora_ = settings_.lora;
-      const auto adapted = models::apply_lora(*model_, lora_);
-      if (main) {
-        // A quantized weight is not a parameter any more; it still counts in the model's size.
-        int64_t trainable = 0, total = models::base_memory(*model_).quantized_fp16_bytes / 2;
-        for (const auto& p : model_->parameters()) {
-          total += p.numel();
-          if (p.requires_grad()) trainable += p.numel();
-        }
-        spdlog::info("llm-sft: LoRA r {} alpha {} dropout {} on {} modules ({}); {} trainable of {} parameters",
-                     lora_.r, lora_.lora_alpha, lora_.lora_dropout, adapted.size(),
-                     fmt::join(lora_.target_modules, ","), trainable, total);
-      }
-    } else if (main) {
-      spdlog::info("llm-sft: full fine-tuning of {} parameters", [&] {
-        int64_t n = 0;
-        for (const auto& p : model_->parameters()) n += p.numel();
-        return n;
-      }());
-    }
-
+    model_ = load_llm_for_training(config, context, "llm-sft", &lora_);
     // Training samples: truncated to the longest a row can hold, packed into rows (or one per
     // row without packing).
     const int64_t max_len = std::min(settings_.model_max_length, settings_.block_size);
@@ -717,9 +730,11 @@ TaskSpec llm_sft_task() {
   const auto l = &RunConfig::llm;
   using L = LlmParams;
   t.keys = {
-      key("trainer", l, &L::trainer, "the trainer: sft (supervised fine-tuning)")
+      key("trainer", l, &L::trainer,
+          "the trainer: sft (supervised fine-tuning), dpo (direct preference optimization), orpo (odds-ratio "
+          "preference optimization), reward (a reward model: the decoder with a scalar score head)")
           .group("LLM")
-          .one_of({"sft"})
+          .one_of({"sft", "dpo", "orpo", "reward"})
           .alias("default", "sft"),  // AutoTrain's name for plain SFT
       key("peft", l, &L::peft, "train LoRA adapters on the frozen model instead of every weight").group("LoRA"),
       key("lora_r", l, &L::lora_r, "LoRA rank").group("LoRA").at_least(1),
@@ -770,6 +785,23 @@ TaskSpec llm_sft_task() {
           "loss, averaged over micro-batches and workers (transformers' output_router_logits; 0: off)")
           .group("LLM")
           .off_or_at_least(-1.0, 0.0, "as the model's config.json says: off in the published checkpoints"),
+      key("model_ref", l, &L::model_ref,
+          "dpo: the reference model's directory (default: the frozen base; with peft, the base with the adapters "
+          "disabled, no second copy)")
+          .group("Preference (dpo, orpo, reward)")
+          .null_is(""),
+      key("dpo_beta", l, &L::dpo_beta, "dpo and orpo: beta (DPO: the KL penalty's weight; ORPO: the odds-ratio term's)")
+          .group("Preference (dpo, orpo, reward)")
+          .positive(),
+      key("max_prompt_length", l, &L::max_prompt_length,
+          "preference trainers: a prompt keeps its last this many tokens")
+          .group("Preference (dpo, orpo, reward)")
+          .at_least(1),
+      key("max_completion_length", l, &L::max_completion_length,
+          "preference trainers: a completion keeps its first this many tokens (-1: no limit)")
+          .group("Preference (dpo, orpo, reward)")
+          .null_is(-1)
+          .off_or_at_least(-1, 1, "no limit"),
   };
   t.defaults = [](RunConfig& c) {
     // AutoTrain's LLMTrainingParams defaults.

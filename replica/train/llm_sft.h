@@ -46,6 +46,7 @@
 #pragma once
 
 #include "replica/train/run_config.h"
+#include "replica/models/hf_model_dir.h"
 #include "replica/models/lora.h"
 #include "replica/text/tokenizer.h"
 #include "replica/train/workload.h"
@@ -158,6 +159,18 @@ struct LlmSftSettings {
 LlmSftSettings llm_sft_settings(const RunConfig& config);
 
 std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadContext& context);
+
+// The model of an llm run as training starts, whatever the trainer: loaded in the dtype and
+// quantization the keys say (peft with bf16: a bf16 base under fp32 adapters), the router's
+// loss, activation checkpointing, and with peft the LoRA adapters (their config into *lora);
+// logged as "TAG: ...". `extra`: as models::load_hf_model's.
+models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const WorkloadContext& context,
+                                               const std::string& tag, models::LoraConfig* lora,
+                                               models::HfExtraTensors* extra = nullptr);
+// params.quantization and params.quantize_embeddings as the loader takes them.
+models::QuantOptions quant_options_of(const RunConfig& config);
+// Copies the tokenizer files of model directory FROM into TO (final/ carries them).
+void copy_tokenizer_files(const std::string& from, const std::string& to);
 
 // What can be refused before workers start: quantization without peft or with ZeRO-3, a
 // base model directory without config.json or tokenizer, a missing data file.

@@ -288,7 +288,8 @@ const std::vector<std::string> kColumnKeys = {
 const std::vector<std::string> kChatTemplates = {"tokenizer", "chatml", "llama3", "none"};
 // AutoTrain's flat LLMTrainingParams carry chat_template and text_column; replica keeps them in
 // `data:`, so these params twins are applied there.
-const std::vector<std::string> kParamsTwins = {"chat_template", "text_column"};
+const std::vector<std::string> kParamsTwins = {"chat_template", "text_column", "prompt_text_column",
+                                                "rejected_text_column"};
 
 bool contains(const std::vector<std::string>& items, const std::string& item) {
   return std::find(items.begin(), items.end(), item) != items.end();
@@ -608,6 +609,30 @@ void set_param(RunConfig& config, const std::string& key, const std::string& val
 
 namespace {
 
+// Every key and scalar value of the tree is UTF-8, or a replica::Error naming its line. An
+// explicit stack: the nesting was bounded by the reader, this walk adds no recursion.
+void check_scalars_are_utf8(const YAML::Node& root, const KeyLocation& loc) {
+  std::vector<YAML::Node> pending = {root};
+  while (!pending.empty()) {
+    const YAML::Node node = pending.back();
+    pending.pop_back();
+    if (node.IsScalar()) {
+      if (invalid_utf8_offset(node.Scalar())) {
+        fail("{}a key or value is not valid UTF-8 text (after YAML's reading: control characters such as NUL "
+             "in a plain scalar come out as invalid bytes; quote the text and escape them)",
+             loc.at(node));
+      }
+    } else if (node.IsMap()) {
+      for (auto it = node.begin(); it != node.end(); ++it) {
+        pending.push_back(it->first);
+        pending.push_back(it->second);
+      }
+    } else if (node.IsSequence()) {
+      for (auto it = node.begin(); it != node.end(); ++it) pending.push_back(*it);
+    }
+  }
+}
+
 // The keys of a YAML file, unchecked: flags may still set what it leaves out.
 RunConfig read_config(const std::string& yaml_text, const std::string& source_name, KeyLocation& loc) {
   // YAML is Unicode text; yaml-cpp takes any bytes, and a string that is not UTF-8 could not be
@@ -626,6 +651,9 @@ RunConfig read_config(const std::string& yaml_text, const std::string& source_na
   }
   if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);  // empty file: missing keys below
   if (!root.IsMap()) fail("{}the configuration must be a mapping of keys to values", loc.at(root));
+  // yaml-cpp's reader also turns some valid input into invalid UTF-8 (a NUL byte and control
+  // characters in a plain scalar came out as a lone 0xA0): every scalar is checked as read.
+  check_scalars_are_utf8(root, loc);
 
   // The task decides the defaults and which keys exist, so it is read first.
   Task task = Task::ImageClassification;

@@ -210,6 +210,12 @@ struct LlmParams {
   bool use_flash_attention_2 = false;
   bool unsloth = false;
   double router_aux_loss_coef = -1;         // -1: the model's config.json decides
+  // The alignment trainers (dpo, orpo, reward; replica/tasks/llm_preference), AutoTrain's names
+  // and defaults.
+  std::string model_ref;                    // dpo: the reference model; "" = the frozen base
+  double dpo_beta = 0.1;                    // dpo and orpo: beta
+  int64_t max_prompt_length = 128;          // prompt tokens kept (its end)
+  int64_t max_completion_length = -1;       // completion tokens kept (their start); -1: no limit
 };
 
 struct RunConfig {

@@ -56,8 +56,12 @@ StepLog::~StepLog() = default;
 
 bool StepLog::is_logged(int64_t step) const { return step % logging_steps_ == 0 || step == total_steps_; }
 
-void StepLog::add_micro_step(double loss, int64_t samples, int64_t tokens) {
+void StepLog::add_micro_step(double loss, int64_t samples, int64_t tokens, const std::map<std::string, double>& metrics) {
   step_loss_ += loss;
+  if (!metrics.empty()) {
+    for (const auto& [name, value] : metrics) window_metrics_[name] += value;
+    window_metric_micro_ += 1;
+  }
   window_samples_ += samples;
   window_tokens_ += tokens;
 }
@@ -99,9 +103,11 @@ void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm, 
     }
     return;
   }
-  auto t = torch::tensor({window_loss_, static_cast<double>(window_loss_steps_), static_cast<double>(window_samples_),
-                          static_cast<double>(window_tokens_)},
-                         torch::kDouble);
+  std::vector<double> sums = {window_loss_, static_cast<double>(window_loss_steps_),
+                              static_cast<double>(window_samples_), static_cast<double>(window_tokens_),
+                              static_cast<double>(window_metric_micro_)};
+  for (const auto& [name, value] : window_metrics_) sums.push_back(value);
+  auto t = torch::tensor(sums, torch::kDouble);
   pg_.allreduce_sum(t).wait();
   const double seconds = std::chrono::duration<double>(Clock::now() - window_start_).count();
   if (main) {
@@ -125,6 +131,10 @@ void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm, 
                         {"time_data_wait_s", split_.data * per_step},
                         {"time_optimizer_s", split_.optimizer * per_step}};
     if (skipped_steps > 0) j["skipped_steps"] = skipped_steps;
+    // The workload's metrics (TRL's names: rewards/chosen, ...): means over the micro-batches.
+    const double micro = t[4].item<double>();
+    int64_t at = 5;
+    for (const auto& item : window_metrics_) j[item.first] = t[at++].item<double>() / std::max(micro, 1.0);
     write(j);
     const bool tokens = t[3].item<double>() > 0;
     obs::ProgressState ps{step, total_steps_, epoch, loss, sps, tokens ? tps : 0};
@@ -141,6 +151,8 @@ void StepLog::end_step(int64_t step, double epoch, double lr, double grad_norm, 
   }
   split_ = TimeSplit{};
   window_loss_ = 0;
+  window_metrics_.clear();
+  window_metric_micro_ = 0;
   window_steps_ = window_loss_steps_ = window_samples_ = window_tokens_ = 0;
   window_start_ = Clock::now();
 }

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -41,7 +42,8 @@ class StepLog {
 
   TimeSplit& split() { return split_; }
   // One micro-step's loss (as backpropagated), samples and tokens.
-  void add_micro_step(double loss, int64_t samples, int64_t tokens);
+  // `metrics`: the workload's further metrics of that micro-batch (Workload::train_metrics).
+  void add_micro_step(double loss, int64_t samples, int64_t tokens, const std::map<std::string, double>& metrics = {});
   // After optimizer step `step`: on logging steps (collective there) the window's means are
   // written; on the others the bar moves. `loss_counted` false: the step was skipped for a
   // non-finite loss, which stays out of the window's mean (every rank passes the same);
@@ -66,6 +68,8 @@ class StepLog {
   std::optional<obs::Progress> progress_;
   TimeSplit split_;
   double step_loss_ = 0, window_loss_ = 0;
+  std::map<std::string, double> window_metrics_;  // sums over the window's micro-batches
+  int64_t window_metric_micro_ = 0;
   int64_t window_steps_ = 0, window_loss_steps_ = 0, window_samples_ = 0, window_tokens_ = 0;
   std::chrono::steady_clock::time_point window_start_;
 };

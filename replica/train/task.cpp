@@ -1,15 +1,9 @@
-// The task table (task.h).
+// Looking a task up in the registry (task.h; the table itself is replica/tasks/registry.cpp).
 #include "replica/train/task.h"
 
 #include "replica/core/error.h"
 
 namespace replica::train {
-
-const std::vector<TaskSpec>& task_specs() {
-  // In EnumNames<Task> order, so that task_spec() is an index.
-  static const std::vector<TaskSpec> tasks = {llm_sft_task(), image_classification_task(), two_tower_task()};
-  return tasks;
-}
 
 const TaskSpec& task_spec(Task task) {
   const auto& tasks = task_specs();

@@ -28,7 +28,8 @@ struct TaskSpec {
   std::unique_ptr<Workload> (*make)(const RunConfig&, const WorkloadContext&) = nullptr;
 };
 
-// Every task, in EnumNames<Task> order.
+// Every task, in EnumNames<Task> order. Defined above train/, by the task registry
+// (replica/tasks/registry.cpp): train/ knows tasks only through this table.
 const std::vector<TaskSpec>& task_specs();
 const TaskSpec& task_spec(Task task);
 

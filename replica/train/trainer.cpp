@@ -188,7 +188,8 @@ class Loop {
       log_.split().comm_wait += engine_.comm_wait_seconds() - comm_wait_before;
       const double value = loss.item<double>();
       losses.add(value);
-      log_.add_micro_step(value, static_cast<int64_t>(indices.size()), workload_.tokens_in(indices));
+      log_.add_micro_step(value, static_cast<int64_t>(indices.size()), workload_.tokens_in(indices),
+                          workload_.train_metrics());
     }
     const auto optimizer_start = Clock::now();
     const int64_t step_number = state_.global_step + 1;

@@ -88,6 +88,10 @@ class Workload {
   // there is none. A mean per forward, not a sum over items: the trainer adds it averaged over
   // the step's micro-batches and (through the gradient average) the ranks.
   virtual torch::Tensor train_aux_loss() { return {}; }
+  // Further training metrics of the last train_loss / train_loss_sum (DPO's rewards/chosen,
+  // ...), each a mean over its micro-batch, handed over once; the step log writes their mean
+  // over the logging window's micro-batches and the ranks. Every rank must return the same names.
+  virtual std::map<std::string, double> train_metrics() { return {}; }
   // A hint: train_loss will be asked for these samples next. A workload may prepare the batch
   // (decode, augment) on a background thread meanwhile, so the workers never wait on data.
   virtual void prefetch(const std::vector<int64_t>& indices) {}

@@ -1,8 +1,179 @@
-"""DOCSTRING PLACEHOLDER"""
+"""Referee for replica's DPO, ORPO and reward-model trainers: TRL itself (run with the project's .venv).
+
+TRL is pinned at 0.13.0 (scripts/requirements-test.txt): the version AutoTrain 0.8.36 pins, whose
+trainers replica's follow, and which runs unchanged on transformers 4.57.6 / peft 0.21.2. File
+references below are to .venv/lib/python3.11/site-packages/trl/ of that version.
+
+  make-model --out DIR [--seed S]
+      A tiny random LlamaForCausalLM made by transformers (hidden 32, 2 layers, 4 heads over 2
+      kv heads, intermediate 64, max_position_embeddings 128, untied, fp32, dropout 0; weights
+      N(0, 0.1^2), norms around 1, drawn from --seed), save_pretrained(DIR) (safetensors), and
+      its tokenizer saved into DIR with save_pretrained (tokenizer.json, tokenizer_config.json
+      with the chat template in it, special_tokens_map.json): a byte-level BPE in the Llama 3
+      layout that replica::text::Tokenizer reads (ByteLevel pre-tokenizer with the GPT-2 regex,
+      BPE merges learned from the texts of make-data, ByteLevel decoder, post_processor
+      TemplateProcessing "<s> $A", i.e. BOS with add_special_tokens), 384 ids: 0 <pad> (pad),
+      1 <s> (bos), 2 <|im_end|> (eos), 3 <|im_start|>, then the 256 byte pieces and merges;
+      PreTrainedTokenizerFast, model_max_length 128, padding_side right; chat template ChatML
+      (replica/text/tests/chat_templates/chatml.jinja). vocab_size = len(tokenizer).
+      Deterministic. Prints one JSON line.
+
+  make-data --out FILE [--kind text|chat] [--rows N]
+      N (default 8) preference rows, JSONL, TRL's columns. text: {"prompt": str, "chosen":
+      " " + str, "rejected": " " + str}; chat: {"prompt": [{"role": "user", ...}], "chosen":
+      [{"role": "assistant", ...}], "rejected": [{"role": "assistant", ...}]} (TRL's
+      conversational preference format, explicit prompt). Lengths vary so that the defaults
+      below truncate prompts, completions and whole sequences, and drop reward rows.
+
+  step --trainer dpo|orpo|reward --model DIR --data FILE --out FILE.safetensors
+       [--peft [--lora-r 4] [--lora-alpha 8] [--target-modules all-linear] [--random-lora]]
+       [--ref-model DIR] [--beta 0.1] [--max-prompt-length 12] [--max-completion-length 10]
+       [--max-length L] [--batch 4] [--seed 42] [--check-train]
+      TRL's trainer built as AutoTrain 0.8.36's train_clm_{dpo,orpo,reward}.py builds it
+      (fp32 on CPU, dropout 0, gradient accumulation 1, no gradient checkpointing (it changes
+      no number), lr 0), on the rows of FILE in file order; then ONE training step on the
+      collated first B rows of the trainer's train_dataset: trainer.training_step (model.train(),
+      compute_loss, backward) on trainer.data_collator(rows[:B]). --max-length is AutoTrain's
+      block_size (default 20 for dpo/orpo, 80 for reward). --peft: LoraConfig(r, alpha,
+      lora_dropout 0, bias none, task_type CAUSAL_LM (dpo, orpo) or SEQ_CLS (reward: `score`
+      becomes modules_to_save), target_modules); its A matrices are drawn under
+      torch.manual_seed(--seed), B = 0 (PEFT's init). --random-lora then draws every A, B (and the
+      score copy) N(0, 0.1^2) from --seed + 1, so that step 1 is not the degenerate B = 0 one.
+      DPO's reference: with --peft the same model with adapters disabled (TRL's null_ref_context);
+      without, a frozen deep copy of the initial model (create_reference_model), or --ref-model
+      DIR (AutoTrain's model_ref). Reward: AutoModelForSequenceClassification(num_labels 1,
+      pad_token_id = tokenizer's), its `score` head drawn by transformers (N(0, 0.02^2)) under
+      torch.manual_seed(--seed). --check-train also runs trainer.train() for one step (lr 0, a
+      SequentialSampler) and fails unless its logged loss (rounded to 4 digits by Trainer),
+      grad_norm and metrics equal the step's.
+      FILE.safetensors:
+          loss                 fp32 scalar: the loss of the step (what trainer.train() logs)
+          grad.NAME            fp32: the gradient of each trainable parameter after backward
+          init.NAME            fp32: its value before the step (LoRA A is random; the reward's
+                               score head is new)
+          metric.NAME          fp32 scalar: each metric TRL logs for the step ('/' kept), and
+                               metric.grad_norm (Trainer's: L2 norm of all gradients, before clipping)
+          rows                 int64 [B']: the data rows (0-based lines of FILE) in the batch
+          ids.chosen.I, ids.rejected.I    int64 1-D, unpadded: the ids the policy was fed for
+                               row I of the batch (I < B'), checked against a forward hook
+          mask.chosen.I, mask.rejected.I  int64 1-D, same length: 1 at each token that is a
+                               target of the log-prob sum (DPO, ORPO: token t is predicted by
+                               the logits at t-1), or, for reward, at the token whose score is used
+      NAME: with --peft the key of PEFT's adapter_model.safetensors (checked by saving it), e.g.
+      base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight, and for reward
+      base_model.model.score.weight (the modules_to_save copy); without, the HF state_dict name
+      (model.layers.0.mlp.up_proj.weight, lm_head.weight, score.weight).
+      Prints one JSON line: trainer, peft, loss, metrics, rows, trainable (count), trl.
+
+  train --trainer dpo|orpo|reward --model DIR --data FILE --out DIR [same options as step]
+        [--steps 20] [--lr 1e-3] [--world 2] [--batch 2]
+      The same trainer trained under `accelerate launch --num_processes WORLD --multi_gpu
+      --num_cpu_threads_per_process 1 --main_process_port 0` (accelerate 1.15): on a machine
+      without GPUs that starts WORLD processes through torchrun and accelerate's PartialState
+      takes them as MULTI_CPU with the gloo backend (DDP averages gradients). `--cpu
+      --num_processes 2` would not: it uses the single-process launcher; accelerate's own
+      MULTI_CPU launch needs mpirun and a hostfile. Per-device batch --batch, AdamW (adamw_torch,
+      betas 0.9/0.999, eps 1e-8), constant lr, no warmup, weight_decay 0, max_grad_norm 1.0,
+      seed 42, max_steps --steps, logging every step, no shuffling: Trainer's RandomSampler is
+      replaced by a SequentialSampler and accelerate shards its batches (BatchSamplerShard,
+      even_batches): with the data rows r_0.. of the train dataset (reward: those left after the
+      length filter) cut into consecutive batches of --batch, step s gives global batch
+      k = (s-1)*WORLD + rank (mod the number of batches per epoch) to each rank, and a last
+      short batch is filled up from the epoch's first rows (8 rows, batch 2, world 2: step 1
+      rank 0 rows 0,1, rank 1 rows 2,3; step 2 rows 4,5 / 6,7; then again; reward with rows
+      0,1,2,3,5,6,7 kept: step 2 is 5,6 / 7,0). Writes into DIR: the trained adapter (or model)
+      with trainer.save_model (AutoTrain's post_training_steps; with the tokenizer), DIR/init/
+      (the trainable weights before step 1, save_pretrained), DIR/log.jsonl (rank 0's
+      log_history entries, one per step: loss = the mean over ranks of the rank losses, rounded to
+      4 digits; grad_norm of the averaged gradients; the trainer's metrics, which are rank 0's
+      own batch only, TRL does not gather them; "rows": rank 0's data rows), DIR/log.rank1.jsonl
+      the same for rank 1 (its own metrics and rows). Prints one JSON line (first and last log).
+
+What an independent implementation must reproduce (TRL 0.13.0, transformers 4.57.6)
+-----------------------------------------------------------------------------------
+Chat rows (dpo, orpo): data_utils.py maybe_extract_prompt (a no-op with an explicit prompt) then
+maybe_apply_chat_template -> apply_chat_template: prompt = template(prompt messages,
+add_generation_prompt=True); chosen = template(prompt + chosen messages)[len(prompt):] (no
+generation prompt; a string slice, so here "2 + 3 = 5<|im_end|>\n"), rejected likewise; text
+rows pass unchanged. AutoTrain passes these rows to TRL as they are (its chat_template option
+None); its own chat path expects full conversations in chosen/rejected and is not used.
+Reward rows: AutoTrain's reward path has no prompt column (utils.process_input_data renames
+only chosen/rejected), so a row is given to it as the full conversation: text chosen = prompt +
+chosen (string concatenation), chat chosen = apply_chat_template(prompt + chosen messages,
+tokenize=False) (no generation prompt); rejected likewise.
+
+DPO (trainer/dpo_trainer.py):
+  * tokenize_row: prompt, chosen, rejected each tokenizer(text, add_special_tokens=False): NO BOS
+    for a decoder-only model (add_special_tokens=is_encoder_decoder); EOS appended to chosen and
+    rejected; then prompt = prompt[-max_prompt_length:] (keep the end), chosen =
+    chosen[:max_completion_length], rejected likewise (keep the start; the EOS is lost when cut).
+    (AutoTrain passes max_completion_length as DPOConfig's deprecated max_target_length.)
+  * PreferenceCollator.torch_call: prompts left-padded, completions right-padded, pad id =
+    tokenizer.pad_token_id (0). concatenated_inputs: rows [chosen_0..chosen_{B-1},
+    rejected_0..rejected_{B-1}], prompt repeated, completions padded to the longer of the two.
+  * concatenated_forward: ids = prompt ++ completion per row, flushed left (the left padding
+    rolled to the right end), all-pad columns dropped, then every row cut to its first max_length
+    tokens (truncation_mode is not used here). So row = (prompt ++ completion)[:max_length],
+    right-padded with pad id 0 to the batch width, attention_mask 1 on real tokens, no
+    position_ids (positions 0..L-1). One forward of all 2B rows (policy, training mode; the
+    reference in a second forward under no_grad).
+  * log-probs: logits[:, :-1] against ids[:, 1:], log_softmax over the vocabulary, gathered at
+    the target; summed over the completion targets (the mask: completion tokens that survived the
+    cuts; the first completion token is predicted by the last prompt token). logps = SUM per row.
+  * dpo_loss (loss_type sigmoid, label_smoothing 0, f_divergence reverse_kl): z = (pi_c - pi_r) -
+    (ref_c - ref_r); loss_i = -logsigmoid(beta z); loss = mean over the B rows.
+  * metrics (get_batch_loss_metrics): rewards/chosen = mean_i beta (pi_c - ref_c);
+    rewards/rejected likewise; rewards/accuracies = mean_i [beta(pi_c - ref_c) > beta(pi_r -
+    ref_r)] (strict); rewards/margins = mean_i (reward_c - reward_r); logps/chosen = mean_i
+    pi_c; logps/rejected = mean_i pi_r; logits/chosen = mean of the policy's raw logits over
+    every (target position, vocab entry) of the chosen rows' loss mask (logits at t-1 for each
+    masked target t, all V entries); logits/rejected likewise.
+ORPO (trainer/orpo_trainer.py):
+  * tokenize_row/build_tokenized_answer: full = tokenizer(prompt + answer, add_special_tokens=False),
+    p = tokenizer(prompt, add_special_tokens=False); the answer is full[len(p):] (the split moved
+    one token left if full's first len(p) ids differ from p: a merge across the boundary);
+    trl/trainer/utils.py add_bos_token_if_needed puts BOS before the prompt unless it starts with
+    it; add_eos_token_if_needed appends EOS to each answer unless it ends with it. Then, with
+    longer = max(len(chosen), len(rejected)): if len(prompt) + longer > max_length the prompt
+    keeps its last max_prompt_length tokens (the BOS goes too when cut); if len(prompt) + longer
+    is still > max_length, each answer keeps its first max_length - max_prompt_length tokens.
+    max_completion_length is NOT used for a decoder-only model. labels = ids with -100 on the
+    prompt.
+  * DPODataCollatorWithPadding then concatenated_inputs: chosen rows then rejected rows, right
+    padded (ids with pad id 0, labels -100, attention 0) to the longest of all 2B rows; one
+    forward (use_cache=False, positions 0..L-1).
+  * logps (get_batch_logps, average_log_prob=True): per row the MEAN of log_softmax(logits[t-1])
+    [ids[t]] over the answer tokens t (labels != -100).
+  * nll_loss: CrossEntropyLoss (mean) of the chosen rows over EVERY non-pad target t >= 1,
+    prompt tokens included (labels = ids where attention_mask is 1), pooled over the batch's
+    chosen rows (sum of the token losses / their count).
+  * odds_ratio_loss: log_odds = (pc - pr) - (log1p(-exp(pc)) - log1p(-exp(pr))) with pc, pr the
+    mean log-probs; loss = nll_loss - mean_i beta logsigmoid(log_odds_i).
+  * metrics: rewards/chosen = mean beta pc; rewards/rejected = mean beta pr; rewards/accuracies =
+    mean [beta pc > beta pr]; rewards/margins = mean (beta pc - beta pr); logps/chosen = mean pc;
+    logps/rejected = mean pr; logits/chosen = mean of ALL the chosen rows' logits over [B, L, V]
+    (every position, padding and prompt included; L the padded width of the 2B rows);
+    logits/rejected likewise; nll_loss; log_odds_ratio = mean logsigmoid(log_odds);
+    log_odds_chosen = mean log_odds.
+Reward (trainer/reward_trainer.py, AutoTrain's utils.preprocess_reward):
+  * ids = tokenizer(text, truncation=True) (add_special_tokens: the post-processor's BOS, no EOS;
+    truncation at model_max_length 128); rows with len(chosen ids) > max_length or
+    len(rejected ids) > max_length dropped before batching (the batch is the first B rows left).
+  * RewardDataCollatorWithPadding: chosen and rejected padded separately (tokenizer.pad, right,
+    pad id 0) to their own longest; two forwards. transformers modeling_layers.py
+    GenericForSequenceClassification: the score (score.weight @ hidden state, no bias) of the
+    last token whose id is not the pad id (argmax of position * (id != pad)).
+  * compute_loss: loss = mean_i -logsigmoid(r_c,i - r_r,i); no margin column; center_rewards_
+    coefficient None (no centring term). TRL 0.13 logs no metric for a training step but the
+    Trainer's: loss, grad_norm, learning_rate, epoch.
+All: Trainer.training_step divides by gradient_accumulation (1); Trainer logs loss rounded to 4
+digits (trainer.py _maybe_log_save_evaluate), grad_norm before clipping; DPO/ORPO's log() adds
+the mean of the metrics stored since the last log (one step with logging_steps 1).
+"""
 import argparse
-import copy
 import json
 import os
+import shutil
 import sys
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
@@ -146,8 +317,336 @@ def make_data(args):
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# step / train: TRL's trainers as AutoTrain 0.8.36 builds them
+# ---------------------------------------------------------------------------------------------
+
+def read_rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_tokenizer(model_dir):
+    """AutoTrain's get_tokenizer with chat_template None (the tokenizer's own template kept),
+    padding right: pad_token set (ours is), model_max_length kept (128 <= 2048)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def reward_rows(rows, tokenizer, max_length):
+    """AutoTrain's reward path on a row with an explicit prompt: the conversation prompt+chosen
+    (prompt+rejected) is its `chosen` (`rejected`) column; chat rows rendered with
+    apply_chat_template(messages, tokenize=False) (no generation prompt); then
+    utils.preprocess_reward (tokenizer(text, truncation=True): BOS from the post-processor) and
+    its filter len <= block_size. Returns (kept row indices, tokenized rows)."""
+    kept, out = [], []
+    for i, row in enumerate(rows):
+        if isinstance(row["chosen"], str):
+            chosen, rejected = row["prompt"] + row["chosen"], row["prompt"] + row["rejected"]
+        else:
+            chosen = tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
+            rejected = tokenizer.apply_chat_template(row["prompt"] + row["rejected"], tokenize=False)
+        c, r = tokenizer(chosen, truncation=True), tokenizer(rejected, truncation=True)
+        if len(c["input_ids"]) <= max_length and len(r["input_ids"]) <= max_length:
+            kept.append(i)
+            out.append({"input_ids_chosen": c["input_ids"], "attention_mask_chosen": c["attention_mask"],
+                        "input_ids_rejected": r["input_ids"], "attention_mask_rejected": r["attention_mask"]})
+    return kept, out
+
+
+def build_trainer(args, rows, output_dir, lr, max_steps, batch, extra=None):
+    """The TRL trainer for args.trainer as AutoTrain 0.8.36's train_clm_{dpo,orpo,reward}.py
+    builds it (fp32, CPU, no gradient checkpointing, dropout 0), on `rows`. Returns (trainer,
+    data row index of each train_dataset row)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    import trl
+
+    tokenizer = load_tokenizer(args.model)
+    common = dict(output_dir=output_dir, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+                  learning_rate=lr, max_steps=max_steps, num_train_epochs=1, logging_steps=1, save_strategy="no",
+                  eval_strategy="no", gradient_accumulation_steps=1, report_to="none", lr_scheduler_type="constant",
+                  optim="adamw_torch", warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
+                  ddp_find_unused_parameters=False, gradient_checkpointing=False, remove_unused_columns=False,
+                  use_cpu=True, disable_tqdm=True, dataloader_drop_last=False, ddp_backend=None)
+    common.update(extra or {})
+    peft_config = None
+    if args.peft:
+        targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, bias="none",
+                                 task_type="SEQ_CLS" if args.trainer == "reward" else "CAUSAL_LM",
+                                 target_modules=targets)
+    torch.manual_seed(args.seed)  # the LoRA A init (get_peft_model) and the reward's score head draw from it
+    if args.trainer == "reward":
+        config = transformers.AutoConfig.from_pretrained(args.model)
+        config.num_labels = 1
+        config.pad_token_id = tokenizer.pad_token_id
+        config.pad_token = tokenizer.pad_token
+        model = AutoModelForSequenceClassification.from_pretrained(args.model, config=config, dtype=torch.float32)
+        model.resize_token_embeddings(len(tokenizer))
+        kept, tokenized = reward_rows(rows, tokenizer, args.max_length)
+        cfg = trl.RewardConfig(max_length=args.max_length, **common)
+        trainer = trl.RewardTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(tokenized),
+                                    processing_class=tokenizer, peft_config=peft_config)
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        return trainer, kept
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.resize_token_embeddings(len(tokenizer))
+    dataset = Dataset.from_list(rows)
+    if args.trainer == "dpo":
+        ref = None
+        if args.ref_model and not args.peft:
+            ref = AutoModelForCausalLM.from_pretrained(args.ref_model, dtype=torch.float32)
+            ref.resize_token_embeddings(len(tokenizer))
+        cfg = trl.DPOConfig(beta=args.beta, max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+                            max_target_length=args.max_completion_length, **common)
+        trainer = trl.DPOTrainer(model=model, ref_model=ref, args=cfg, train_dataset=dataset,
+                                 processing_class=tokenizer, peft_config=peft_config)
+    else:
+        cfg = trl.ORPOConfig(beta=args.beta, max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+                             max_completion_length=args.max_completion_length, **common)
+        trainer = trl.ORPOTrainer(model=model, args=cfg, train_dataset=dataset, processing_class=tokenizer,
+                                  peft_config=peft_config)
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # as AutoTrain does
+    return trainer, list(range(len(rows)))
+
+
+def sequential(trainer):
+    """Data in file order: the train sampler becomes a SequentialSampler (Trainer's is a
+    RandomSampler); accelerate then shards its batches across the processes."""
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
+
+
+def randomize_lora(model, seed):
+    """--random-lora: every LoRA A and B (and a modules_to_save copy) drawn N(0, 0.1^2), so that
+    step 1's adapter is not zero (PEFT's B = 0 makes the policy equal the reference in DPO and
+    every A gradient zero)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and (".lora_" in name or "modules_to_save" in name):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def trainable(trainer):
+    """(name, parameter) of every trainable parameter, named as PEFT's adapter_model.safetensors
+    (with --peft) or the HF model's state_dict names it."""
+    model = trainer.model
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not hasattr(model, "peft_config"):
+        return params
+    from peft.utils import get_peft_model_state_dict
+    renamed = get_peft_model_state_dict(model, state_dict={n: p for n, p in params})
+    by_id = {id(p): n for n, p in renamed.items()}
+    out = [(by_id[id(p)], p) for n, p in params]
+    if len(out) != len(renamed):
+        raise SystemExit("trainable parameters and PEFT's saved names differ")
+    return out
+
+
+def sequences(trainer, batch):
+    """Per row of the batch, the unpadded ids the policy sees and the targets that carry the
+    loss (DPO, ORPO; 1 where the token is predicted and counted) or the scored token (reward)."""
+    out = {}
+    n = batch["input_ids_chosen" if "input_ids_chosen" in batch else "prompt_input_ids"].shape[0]
+    if "input_ids_chosen" in batch:  # reward: score of the last non-pad token
+        pad = trainer.model.config.pad_token_id
+        for side in ("chosen", "rejected"):
+            ids = batch["input_ids_" + side]
+            for i in range(n):
+                row = ids[i][batch["attention_mask_" + side][i].bool()]
+                non_pad = (ids[i] != pad).int()
+                last = int((torch.arange(ids.shape[1]) * non_pad).argmax())
+                mask = torch.zeros(row.shape[0], dtype=torch.int64)
+                mask[last] = 1
+                out["ids.%s.%d" % (side, i)], out["mask.%s.%d" % (side, i)] = row.clone(), mask
+        return out
+    if "chosen_labels" in batch:  # ORPO: prompt + answer, labels -100 on the prompt
+        for side in ("chosen", "rejected"):
+            for i in range(n):
+                keep = batch[side + "_attention_mask"][i].bool()
+                out["ids.%s.%d" % (side, i)] = batch[side + "_input_ids"][i][keep].clone()
+                out["mask.%s.%d" % (side, i)] = (batch[side + "_labels"][i][keep] != -100).long()
+        return out
+    # DPO: concatenated_forward's construction (prompt left-padded + completion right-padded,
+    # flushed left, empty columns dropped, cut at max_length).
+    c = trainer.concatenated_inputs(batch, padding_value=trainer.padding_value)
+    ids = torch.cat((c["prompt_input_ids"], c["completion_input_ids"]), dim=1)
+    att = torch.cat((c["prompt_attention_mask"], c["completion_attention_mask"]), dim=1)
+    loss_mask = torch.cat((torch.zeros_like(c["prompt_attention_mask"]), c["completion_attention_mask"]), dim=1)
+    for j in range(2 * n):
+        keep = att[j].bool()
+        row_ids, row_mask = ids[j][keep], loss_mask[j][keep]
+        if trainer.args.max_length is not None:
+            row_ids, row_mask = row_ids[:trainer.args.max_length], row_mask[:trainer.args.max_length]
+        side, i = ("chosen", j) if j < n else ("rejected", j - n)
+        out["ids.%s.%d" % (side, i)], out["mask.%s.%d" % (side, i)] = row_ids.clone(), row_mask.long()
+    return out
+
+
+def grad_norm(grads):
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def step(args):
+    rows = read_rows(args.data)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, kept = build_trainer(args, rows, tmp, lr=0.0, max_steps=1, batch=args.batch)
+        if args.random_lora:
+            randomize_lora(trainer.model, args.seed)
+        params = trainable(trainer)
+        init = {"init." + n: p.detach().clone().contiguous() for n, p in params}
+        examples = [trainer.train_dataset[i] for i in range(min(args.batch, len(trainer.train_dataset)))]
+        batch = trainer._prepare_inputs(trainer.data_collator(examples))
+        seen = []
+        hook = trainer.model.register_forward_pre_hook(
+            lambda m, a, kw: seen.append((kw.get("input_ids", a[0] if a else None), kw.get("attention_mask"))),
+            with_kwargs=True)
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.current_gradient_accumulation_steps = 1  # what train() sets with gradient_accumulation 1
+        loss = trainer.training_step(trainer.model, batch)  # model.train(), compute_loss, backward
+        hook.remove()
+        stored = trainer._stored_metrics["train"] if hasattr(trainer, "_stored_metrics") else {}
+        metrics = {k: float(torch.tensor(v).mean()) for k, v in stored.items()}
+        if hasattr(trainer, "_stored_metrics"):
+            trainer._stored_metrics.clear()
+        grads = {"grad." + n: p.grad.detach().float().clone().contiguous() for n, p in params}
+        metrics["grad_norm"] = grad_norm(list(grads.values()))
+        tensors = {"loss": loss.detach().float().reshape(()).contiguous(), "rows": torch.tensor(kept[:len(examples)])}
+        tensors.update(grads)
+        tensors.update(init)
+        for k, v in metrics.items():
+            tensors["metric." + k] = torch.tensor(v, dtype=torch.float32)
+        tensors.update(sequences(trainer, batch))
+        # The ids fed to the policy (first forward of the step) are the ones written.
+        fed_ids, fed_mask = seen[0]
+        n = len(examples)
+        for j in range(fed_ids.shape[0] if args.trainer != "reward" else 0):
+            side, i = ("chosen", j) if j < n else ("rejected", j - n)
+            fed = fed_ids[j][fed_mask[j].bool()]
+            if not torch.equal(fed, tensors["ids.%s.%d" % (side, i)]):
+                raise SystemExit("ids.%s.%d differ from what the model was fed" % (side, i))
+        if args.peft:  # the names are those of PEFT's adapter file
+            trainer.model.save_pretrained(os.path.join(tmp, "adapter"), safe_serialization=True)
+            from safetensors.torch import load_file
+            saved = set(load_file(os.path.join(tmp, "adapter", "adapter_model.safetensors")))
+            if saved != {n for n, _ in params}:
+                raise SystemExit("grad names differ from adapter_model.safetensors: %s" %
+                                 sorted(saved ^ {n for n, _ in params}))
+        info = {"trainer": args.trainer, "peft": bool(args.peft), "loss": float(loss), "metrics": metrics,
+                "rows": kept[:len(examples)], "trainable": len(params), "trl": __import__("trl").__version__}
+        if args.check_train:
+            info["train_check"] = check_train(args, rows, tmp, float(loss), metrics)
+        save_file(tensors, args.out)
+    print(json.dumps(info))
+    return 0
+
+
+def check_train(args, rows, tmp, loss, metrics):
+    """trainer.train() for one step (lr 0, the batch of the first B rows): its logged loss
+    (rounded to 4 digits by Trainer), grad_norm and metrics against the step's."""
+    trainer, _ = build_trainer(args, rows, os.path.join(tmp, "train"), lr=0.0, max_steps=1, batch=args.batch)
+    if args.random_lora:
+        randomize_lora(trainer.model, args.seed)
+    sequential(trainer)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    worst = abs(logged["loss"] - round(loss, 4))
+    for k, v in metrics.items():
+        if k in logged:
+            worst = max(worst, abs(logged[k] - v) / max(1.0, abs(v)))
+    missing = sorted(set(logged) - set(metrics) - {"loss", "learning_rate", "epoch", "step"})
+    if worst > 1e-5 or missing:
+        raise SystemExit("trainer.train() logged %r, the step computed loss %r %r" % (logged, loss, metrics))
+    return {"logged_loss": logged["loss"], "max_rel_diff": worst}
+
+
+
+LAUNCH = ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+          "--num_cpu_threads_per_process", "1", "--main_process_port", "0"]
+
+
+def train(args):
+    """Parent: re-runs this command under `accelerate launch --num_processes WORLD` (one process
+    per rank, gloo on CPU). Worker (LOCAL_RANK set): the run itself."""
+    if "LOCAL_RANK" not in os.environ:
+        import subprocess
+        os.makedirs(args.out, exist_ok=True)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.world)] + LAUNCH + \
+              [os.path.abspath(__file__)] + sys.argv[1:]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        run = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if run.returncode != 0:
+            sys.stderr.write(run.stdout)
+            return run.returncode
+        with open(os.path.join(args.out, "log.jsonl")) as f:
+            logs = [json.loads(line) for line in f]
+        print(json.dumps({"trainer": args.trainer, "peft": bool(args.peft), "world": args.world, "steps": len(logs),
+                          "first": logs[0], "last": logs[-1], "out": args.out, "trl": __import__("trl").__version__}))
+        return 0
+    rank = int(os.environ["RANK"])
+    rows = [dict(r, row=i) for i, r in enumerate(read_rows(args.data))]
+    trainer, kept = build_trainer(args, rows, os.path.join(args.out, "trainer"), lr=args.lr, max_steps=args.steps,
+                                  batch=args.batch)
+    if args.random_lora:
+        randomize_lora(trainer.model, args.seed)
+    if rank == 0:
+        save_initial(trainer, os.path.join(args.out, "init"))
+    sequential(trainer)
+    batches = []
+    collate = trainer.data_collator
+
+    def recording(examples):
+        batches.append([kept[i] if args.trainer == "reward" else int(ex["row"])
+                        for i, ex in zip(_positions(trainer, examples), examples)])
+        return collate(examples)
+
+    trainer.data_collator = recording
+    trainer.train()
+    logs = [dict(h) for h in trainer.state.log_history if "loss" in h]
+    for k, h in enumerate(logs):
+        h["rows"] = batches[k]  # the data rows of this rank's batch at that step
+    name = "log.jsonl" if rank == 0 else "log.rank%d.jsonl" % rank
+    with open(os.path.join(args.out, name), "w") as f:
+        for h in logs:
+            f.write(json.dumps(h) + "\n")
+    if rank == 0:
+        trainer.save_model(args.out)  # AutoTrain's post_training_steps: the adapter (or model) into DIR
+        shutil.rmtree(os.path.join(args.out, "trainer"), ignore_errors=True)  # output_dir: nothing saved there
+    return 0
+
+
+def _positions(trainer, examples):
+    """Index in train_dataset of each example (reward rows carry no `row` column)."""
+    if "row" in examples[0]:
+        return [None] * len(examples)
+    table = [tuple(r["input_ids_chosen"]) + (-1,) + tuple(r["input_ids_rejected"]) for r in trainer.train_dataset]
+    return [table.index(tuple(ex["input_ids_chosen"]) + (-1,) + tuple(ex["input_ids_rejected"])) for ex in examples]
+
+
+def save_initial(trainer, path):
+    """The trainable parameters before step 1 (PEFT's adapter as save_pretrained writes it, or
+    the whole model)."""
+    trainer.model.save_pretrained(path, safe_serialization=True)
+
+
+def quiet():
+    """One JSON line on stdout: no progress bars, warnings or Trainer log prints."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    import datasets
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+
+
 def main():
     torch.set_num_threads(1)
+    quiet()
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
     mm = sub.add_parser("make-model")
@@ -157,8 +656,34 @@ def main():
     md.add_argument("--out", required=True)
     md.add_argument("--kind", default="text", choices=["text", "chat"])
     md.add_argument("--rows", type=int, default=8)
+    st = sub.add_parser("step")
+    tr = sub.add_parser("train")
+    for sp in (st, tr):
+        sp.add_argument("--trainer", required=True, choices=["dpo", "orpo", "reward"])
+        sp.add_argument("--model", required=True)
+        sp.add_argument("--data", required=True)
+        sp.add_argument("--out", required=True)
+        sp.add_argument("--ref-model", default="")
+        sp.add_argument("--peft", action="store_true")
+        sp.add_argument("--lora-r", type=int, default=4)
+        sp.add_argument("--lora-alpha", type=int, default=8)
+        sp.add_argument("--target-modules", default="all-linear")
+        sp.add_argument("--random-lora", action="store_true")
+        sp.add_argument("--beta", type=float, default=0.1)
+        sp.add_argument("--max-prompt-length", type=int, default=12)
+        sp.add_argument("--max-completion-length", type=int, default=10)
+        sp.add_argument("--max-length", type=int, default=0, help="block_size; default 20 (dpo, orpo), 80 (reward)")
+        sp.add_argument("--seed", type=int, default=42)
+    st.add_argument("--batch", type=int, default=4)
+    st.add_argument("--check-train", action="store_true")
+    tr.add_argument("--batch", type=int, default=2)
+    tr.add_argument("--steps", type=int, default=20)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--world", type=int, default=2)
     args = p.parse_args()
-    return {"make-model": make_model, "make-data": make_data}[args.cmd](args)
+    if getattr(args, "max_length", None) == 0:
+        args.max_length = 80 if args.trainer == "reward" else 20
+    return {"make-model": make_model, "make-data": make_data, "step": step, "train": train}[args.cmd](args)
 
 
 if __name__ == "__main__":
