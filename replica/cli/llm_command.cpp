@@ -187,8 +187,9 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
   if (!args.empty() && args.front() == "init-demo") {
     if (args.size() == 2 && (args[1] == "--help" || args[1] == "-h")) {
       std::cout << "replica llm init-demo DIR: writes DIR/model (a small random-init Llama with a trained\n"
-                   "SentencePiece tokenizer and a chat template) and DIR/data/{train,valid}.jsonl (synthetic\n"
-                   "instruction chats), then prints the command that fine-tunes it\n";
+                   "SentencePiece tokenizer and a chat template), DIR/data/{train,valid}.jsonl (synthetic\n"
+                   "instruction chats) and DIR/data/preference/{train,valid}.jsonl (the same questions as\n"
+                   "preference rows: prompt, chosen, rejected), then prints the commands that fine-tune it\n";
       return 0;
     }
     if (args.size() != 2 || args[1].rfind("-", 0) == 0) fail("usage: replica llm init-demo DIR");
@@ -197,7 +198,10 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
               << fmt::format("data:  {}/train.jsonl ({} chats), {}/valid.jsonl ({} chats)\n", demo.data_dir,
                              demo.train_samples, demo.data_dir, demo.valid_samples)
               << "fine-tune it (LoRA, 2 workers on 2 cores):\n  " << demo.train_command << "\n"
-              << "then evaluate the adapter:\n  " << demo.eval_command << "\n";
+              << "then evaluate the adapter:\n  " << demo.eval_command << "\n"
+              << fmt::format("preference data: {}/{{train,valid}}.jsonl; align with DPO (or --trainer orpo | reward):\n  ",
+                             demo.preference_dir)
+              << demo.dpo_command << "\n";
     return 0;
   }
   LlmArgs parsed = parse_llm_args(args);

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -28,8 +29,18 @@ namespace {
 // Points of one curve: "step value" lines of a gnuplot data block.
 using Series = std::map<std::string, std::vector<std::pair<double, double>>>;
 
+// A gnuplot data block's name: letters, digits and _ only (metrics such as rewards/chosen
+// carry a '/').
+std::string block_name(const std::string& key) {
+  std::string out = key;
+  for (char& c : out) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  return out;
+}
+
 std::string data_block(const std::string& name, const std::vector<std::pair<double, double>>& points) {
-  std::string out = "$" + name + " << EOD\n";
+  std::string out = "$" + block_name(name) + " << EOD\n";
   for (const auto& [x, y] : points) out += fmt::format("{} {:.9g}\n", x, y);
   return out + "EOD\n";
 }
@@ -66,7 +77,7 @@ std::string panel(const Series& s, const std::string& title, const std::string& 
     // tokens_per_s of a task without tokens is 0 throughout: not a curve worth a legend.
     if (std::all_of(it->second.begin(), it->second.end(), [](const auto& p) { return p.second == 0; })) continue;
     const char* style = it->second.size() < 30 ? "linespoints pt 7 ps 0.6" : "lines";
-    plots.push_back(fmt::format("${} using 1:2 with {} lw 2 lc {} title {}", key, style, color++, quoted(key)));
+    plots.push_back(fmt::format("${} using 1:2 with {} lw 2 lc {} title {}", block_name(key), style, color++, quoted(key)));
   }
   if (plots.empty()) {
     return out + fmt::format("set label 1 {} at graph 0.5, graph 0.5 center\nset xrange [0:1]\nset yrange [0:1]\n"

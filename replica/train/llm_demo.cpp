@@ -46,6 +46,7 @@ const std::vector<std::string>& words() {
 
 struct Turn {
   std::string user, assistant;
+  std::string wrong;  // a plausible wrong answer (the demo's preference data rejects it)
 };
 
 // One question and its answer; the kinds have a fixed, learnable form.
@@ -56,29 +57,34 @@ Turn make_turn(std::mt19937& rng) {
   switch (uniform(0, 5)) {
     case 0: {
       const int a = uniform(0, 99), b = uniform(0, 99);
-      return {fmt::format("What is {} + {}?", a, b), fmt::format("{} + {} = {}", a, b, a + b)};
+      return {fmt::format("What is {} + {}?", a, b), fmt::format("{} + {} = {}", a, b, a + b),
+              fmt::format("{} + {} = {}", a, b, a + b + 1 + a % 9)};
     }
     case 1: {
       int a = uniform(0, 99), b = uniform(0, 99);
       if (a < b) std::swap(a, b);
-      return {fmt::format("What is {} - {}?", a, b), fmt::format("{} - {} = {}", a, b, a - b)};
+      return {fmt::format("What is {} - {}?", a, b), fmt::format("{} - {} = {}", a, b, a - b),
+              fmt::format("{} - {} = {}", a, b, a + b)};
     }
     case 2: {
       std::string r(word.rbegin(), word.rend());
-      return {fmt::format("Reverse the word \"{}\".", word), fmt::format("\"{}\" reversed is \"{}\".", word, r)};
+      return {fmt::format("Reverse the word \"{}\".", word), fmt::format("\"{}\" reversed is \"{}\".", word, r),
+              fmt::format("\"{}\" reversed is \"{}\".", word, word)};
     }
     case 3: {
       std::string up = word;
       std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return std::toupper(c); });
-      return {fmt::format("Write \"{}\" in capital letters.", word), up};
+      return {fmt::format("Write \"{}\" in capital letters.", word), up, word};
     }
     case 4:
       return {fmt::format("How many letters are in \"{}\"?", word),
-              fmt::format("\"{}\" has {} letters.", word, word.size())};
+              fmt::format("\"{}\" has {} letters.", word, word.size()),
+              fmt::format("\"{}\" has {} letters.", word, word.size() + 2)};
     default: {
       const int s = uniform(1, 20), d = uniform(1, 9);
       return {fmt::format("Continue the sequence: {}, {}, {}", s, s + d, s + 2 * d),
-              fmt::format("{}, {}, {}", s + 3 * d, s + 4 * d, s + 5 * d)};
+              fmt::format("{}, {}, {}", s + 3 * d, s + 4 * d, s + 5 * d),
+              fmt::format("{}, {}, {}", s + 3 * d + 1, s + 4 * d + 2, s + 5 * d + 3)};
     }
   }
 }
@@ -101,6 +107,23 @@ ordered_json make_chat(std::mt19937& rng) {
     messages.push_back(message("assistant", turn.assistant));
   }
   return messages;
+}
+
+// A preference row in TRL's conversational form: the question, the right answer chosen, a
+// wrong one rejected.
+ordered_json make_preference(std::mt19937& rng) {
+  const Turn turn = make_turn(rng);
+  ordered_json row;
+  row["prompt"] = ordered_json::array({message("user", turn.user)});
+  row["chosen"] = ordered_json::array({message("assistant", turn.assistant)});
+  row["rejected"] = ordered_json::array({message("assistant", turn.wrong)});
+  return row;
+}
+
+void write_rows(const fs::path& file, const std::vector<ordered_json>& rows) {
+  std::string text;
+  for (const auto& row : rows) text += row.dump() + "\n";
+  write_file_atomically(file.string(), text);
 }
 
 void write_jsonl(const fs::path& file, const std::vector<ordered_json>& chats) {
@@ -138,6 +161,18 @@ LlmDemo write_llm_demo(const std::string& dir, uint64_t seed) {
   for (int i = 0; i < 64; ++i) valid.push_back(make_chat(rng));
   write_jsonl(data_dir / "train.jsonl", train);
   write_jsonl(data_dir / "valid.jsonl", valid);
+  // The preference data (dpo, orpo, reward): 256 training rows, 32 validation rows, drawn
+  // from a generator of their own (the chats above stay what they were).
+  const fs::path preference_dir = data_dir / "preference";
+  fs::create_directories(preference_dir);
+  {
+    std::mt19937 prng(static_cast<uint32_t>(seed + 1));
+    std::vector<ordered_json> ptrain, pvalid;
+    for (int i = 0; i < 256; ++i) ptrain.push_back(make_preference(prng));
+    for (int i = 0; i < 32; ++i) pvalid.push_back(make_preference(prng));
+    write_rows(preference_dir / "train.jsonl", ptrain);
+    write_rows(preference_dir / "valid.jsonl", pvalid);
+  }
 
   // The tokenizer: SentencePiece BPE trained on the training chats' text, Llama-style
   // (byte fallback, digits split) but without the dummy prefix space, so that a text encodes
@@ -235,6 +270,12 @@ LlmDemo write_llm_demo(const std::string& dir, uint64_t seed) {
       "--lr 5e-3 --epochs 4 --block-size 256 --batch-size 2 --gradient-accumulation 1 --valid-split valid "
       "--logging-steps 10",
       shell_quote(demo.model_dir), shell_quote(demo.data_dir), shell_quote(run));
+  demo.preference_dir = preference_dir.string();
+  demo.dpo_command = fmt::format(
+      "replica llm --train --model {} --data-path {} --project-name {} --trainer dpo --peft "
+      "--lr 5e-3 --epochs 1 --block-size 128 --batch-size 4 --gradient-accumulation 1 --valid-split valid "
+      "--logging-steps 10",
+      shell_quote(demo.model_dir), shell_quote(demo.preference_dir), shell_quote((root / "run-dpo").string()));
   demo.eval_command = fmt::format("replica llm --eval --model {} --data-path {} --adapter {}",
                                   shell_quote(demo.model_dir), shell_quote((data_dir / "valid.jsonl").string()),
                                   shell_quote((fs::path(run) / "final").string()));

@@ -193,7 +193,9 @@ LlmEvalResult evaluate_llm(const RunConfig& config, const std::string& adapter_d
 // init) with a SentencePiece BPE tokenizer trained here on the demo data
 // (tokenizer.model, tokenizer_config.json with a ChatML chat template), and
 // DIR/data/{train,valid}.jsonl, synthetic instruction/response chats (arithmetic, word
-// reversal, capitals, letter counts, number sequences) in messages form. Returns the
+// reversal, capitals, letter counts, number sequences) in messages form, and
+// DIR/data/preference/{train,valid}.jsonl, the same kinds of question as preference rows (the
+// right answer chosen, a wrong one rejected) for the dpo, orpo and reward trainers. Returns the
 // directories and the command that fine-tunes the model on the data.
 struct LlmDemo {
   std::string model_dir;
@@ -201,7 +203,9 @@ struct LlmDemo {
   int64_t train_samples = 0;
   int64_t valid_samples = 0;
   int64_t vocab_size = 0;
+  std::string preference_dir;  // DIR/data/preference/{train,valid}.jsonl: prompt, chosen, rejected chats
   std::string train_command;   // replica llm --train ...
+  std::string dpo_command;     // replica llm --train --trainer dpo ... on the preference data
   std::string eval_command;    // replica llm --eval ...
 };
 LlmDemo write_llm_demo(const std::string& dir, uint64_t seed = 1234);

@@ -431,6 +431,55 @@ def randomize_lora(model, seed):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
+def init_weights(trainer, args):
+    """The trainable weights before step 1: PEFT's own init (get_peft_model, already done), then
+    --random-lora or --init-adapter DIR."""
+    if args.init_adapter:
+        load_init_adapter(trainer, args.init_adapter)
+    elif args.random_lora:
+        randomize_lora(trainer.model, args.seed)
+
+
+def load_init_adapter(trainer, path):
+    """--init-adapter DIR: every trainable parameter of the PeftModel the trainer built (the
+    script's LoraConfig) takes its value from DIR/adapter_model.safetensors (PEFT's layout, e.g.
+    written by replica), loaded with PEFT's set_peft_model_state_dict. Fails unless the file's
+    keys are exactly the trainable parameters' adapter-file names (no tensor left over, no
+    trainable parameter without a value), the shapes agree, DIR/adapter_config.json's r,
+    lora_alpha, use_rslora and task_type are the script's, and afterwards every trainable
+    parameter equals its tensor exactly."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    model = trainer.model
+    if not hasattr(model, "peft_config"):
+        raise SystemExit("--init-adapter needs --peft")
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        given = json.load(f)
+    cfg = model.peft_config["default"]
+    for key, want in (("r", cfg.r), ("lora_alpha", cfg.lora_alpha), ("use_rslora", cfg.use_rslora),
+                      ("task_type", str(getattr(cfg.task_type, "value", cfg.task_type)))):
+        have = given.get(key, False if key == "use_rslora" else None)
+        if have != want:
+            hint = " (pass --lora-r/--lora-alpha to match)" if key in ("r", "lora_alpha") else ""
+            raise SystemExit("--init-adapter %s: adapter_config.json has %s=%r, the script's LoraConfig %r%s"
+                             % (path, key, have, want, hint))
+    state = load_file(os.path.join(path, "adapter_model.safetensors"))
+    params = dict(trainable(trainer))  # adapter-file name -> parameter
+    extra, lacking = sorted(set(state) - set(params)), sorted(set(params) - set(state))
+    if extra or lacking:
+        raise SystemExit("--init-adapter %s: tensors matching no trainable parameter %s; trainable parameters "
+                         "without a tensor %s" % (path, extra, lacking))
+    bad = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in state.items() if t.shape != params[n].shape]
+    if bad:
+        raise SystemExit("--init-adapter %s: shapes differ (file, model): %s" % (path, bad))
+    result = set_peft_model_state_dict(model, state)
+    if result.unexpected_keys:
+        raise SystemExit("--init-adapter %s: set_peft_model_state_dict did not place %s" % (path, result.unexpected_keys))
+    differ = [n for n, p in params.items() if not torch.equal(p.detach(), state[n].to(p.dtype))]
+    if differ:
+        raise SystemExit("--init-adapter %s: after loading, parameters differ from the file: %s" % (path, differ))
+
+
 def trainable(trainer):
     """(name, parameter) of every trainable parameter, named as PEFT's adapter_model.safetensors
     (with --peft) or the HF model's state_dict names it."""
@@ -496,8 +545,7 @@ def step(args):
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         trainer, kept = build_trainer(args, rows, tmp, lr=0.0, max_steps=1, batch=args.batch)
-        if args.random_lora:
-            randomize_lora(trainer.model, args.seed)
+        init_weights(trainer, args)
         params = trainable(trainer)
         init = {"init." + n: p.detach().clone().contiguous() for n, p in params}
         examples = [trainer.train_dataset[i] for i in range(min(args.batch, len(trainer.train_dataset)))]
@@ -550,8 +598,7 @@ def check_train(args, rows, tmp, loss, metrics):
     """trainer.train() for one step (lr 0, the batch of the first B rows): its logged loss
     (rounded to 4 digits by Trainer), grad_norm and metrics against the step's."""
     trainer, _ = build_trainer(args, rows, os.path.join(tmp, "train"), lr=0.0, max_steps=1, batch=args.batch)
-    if args.random_lora:
-        randomize_lora(trainer.model, args.seed)
+    init_weights(trainer, args)
     sequential(trainer)
     trainer.train()
     logged = trainer.state.log_history[0]
@@ -592,8 +639,7 @@ def train(args):
     rows = [dict(r, row=i) for i, r in enumerate(read_rows(args.data))]
     trainer, kept = build_trainer(args, rows, os.path.join(args.out, "trainer"), lr=args.lr, max_steps=args.steps,
                                   batch=args.batch)
-    if args.random_lora:
-        randomize_lora(trainer.model, args.seed)
+    init_weights(trainer, args)
     if rank == 0:
         save_initial(trainer, os.path.join(args.out, "init"))
     sequential(trainer)
@@ -634,6 +680,165 @@ def save_initial(trainer, path):
     trainer.model.save_pretrained(path, safe_serialization=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# check-load: replica's final/ directory loaded by the real stack
+# ---------------------------------------------------------------------------------------------
+
+def _safetensors(directory, stem):
+    """All tensors of DIR/STEM.safetensors, or of the shards its STEM.safetensors.index.json lists."""
+    from safetensors.torch import load_file
+    single = os.path.join(directory, stem + ".safetensors")
+    if os.path.exists(single):
+        return load_file(single)
+    index = single + ".index.json"
+    if not os.path.exists(index):
+        raise SystemExit("check-load: %s has neither %s.safetensors nor its index" % (directory, stem))
+    with open(index) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    out = {}
+    for shard in shards:
+        out.update(load_file(os.path.join(directory, shard)))
+    return out
+
+
+def _compare(file_tensors, loaded, what):
+    """Exact equality of every file tensor with the loaded tensor of the same name (values and
+    shape; the file's tensor cast to the loaded dtype); the name sets must be equal."""
+    problems = []
+    extra, lacking = sorted(set(file_tensors) - set(loaded)), sorted(set(loaded) - set(file_tensors))
+    if extra:
+        problems.append("%d tensor(s) of the file match nothing in the loaded %s: %s" % (len(extra), what, extra[:8]))
+    if lacking:
+        problems.append("%d tensor(s) of the loaded %s are not in the file: %s" % (len(lacking), what, lacking[:8]))
+    differ = []
+    for name in sorted(set(file_tensors) & set(loaded)):
+        a, b = file_tensors[name], loaded[name].detach()
+        if a.shape != b.shape:
+            differ.append("%s shape %s (file) vs %s (loaded)" % (name, tuple(a.shape), tuple(b.shape)))
+        elif not torch.equal(a.to(b.dtype), b):
+            diff = float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
+            differ.append("%s max |diff| %.3g" % (name, diff))
+    if differ:
+        problems.append("%d tensor(s) differ between the file and the loaded %s: %s" % (len(differ), what, differ[:8]))
+    return problems
+
+
+def _fail(args, problems):
+    raise SystemExit("check-load --trainer %s%s --final %s: FAILED\n  %s" % (
+        args.trainer, " --peft" if args.peft else "", args.final, "\n  ".join(problems)))
+
+
+def _loading_info_problems(info):
+    return ["from_pretrained: %s %s" % (k, info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys",
+                                                            "error_msgs") if info.get(k)]
+
+
+def _has_tokenizer(directory):
+    return any(os.path.exists(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def check_load(args):
+    """What replica wrote into final/ loaded by transformers / PEFT, tensor by tensor."""
+    from peft import PeftModel
+    info = {"trainer": args.trainer, "peft": bool(args.peft), "final": args.final}
+    problems = []
+    if not args.peft:
+        cls = AutoModelForSequenceClassification if args.trainer == "reward" else AutoModelForCausalLM
+        try:
+            model, loading = cls.from_pretrained(args.final, output_loading_info=True)
+        except Exception as e:  # noqa: BLE001 - a load that raises is the finding
+            _fail(args, ["%s.from_pretrained(final) raised %s: %s" % (cls.__name__, type(e).__name__, e)])
+        problems += _loading_info_problems(loading)
+        if args.trainer == "reward" and model.config.num_labels != 1:
+            problems.append("num_labels is %d, not 1" % model.config.num_labels)
+        file_tensors = _safetensors(args.final, "model")
+        problems += _compare(file_tensors, model.state_dict(), type(model).__name__ + " state_dict")
+        info["class"] = type(model).__name__
+        info["dtype"] = sorted({str(t.dtype).replace("torch.", "") for t in file_tensors.values()})
+        info["pad_token_id"] = model.config.pad_token_id
+        if args.trainer == "reward" or _has_tokenizer(args.final):
+            try:
+                tok = AutoTokenizer.from_pretrained(args.final)
+                info["tokenizer"] = {"class": type(tok).__name__, "len": len(tok), "pad": tok.pad_token_id}
+            except Exception as e:  # noqa: BLE001 - any failure to load is the finding
+                problems.append("AutoTokenizer.from_pretrained(final) failed: %r" % e)
+        else:
+            info["tokenizer"] = None
+        if problems:
+            _fail(args, problems)
+        info.update(ok=True, tensors=len(file_tensors))
+        print(json.dumps(info))
+        return 0
+
+    # --peft: the base model from --base, the adapter from final/.
+    with open(os.path.join(args.final, "adapter_config.json")) as f:
+        adapter_config = json.load(f)
+    file_tensors = _safetensors(args.final, "adapter_model")
+    if args.trainer == "reward":
+        tok_dir = args.final if _has_tokenizer(args.final) else args.base
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        base = AutoModelForSequenceClassification.from_pretrained(args.base, num_labels=1, dtype=torch.float32)
+        base.config.pad_token_id = tok.pad_token_id
+        info["pad_token_id"] = tok.pad_token_id
+        want_task = "SEQ_CLS"
+    else:
+        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+        want_task = "CAUSAL_LM"
+    if adapter_config.get("task_type") != want_task:
+        _fail(args, ["adapter_config.json task_type %r, want %r" % (adapter_config.get("task_type"), want_task)])
+    try:
+        model = PeftModel.from_pretrained(base, args.final)
+    except Exception as e:  # noqa: BLE001 - a load that raises is the finding
+        _fail(args, ["PeftModel.from_pretrained(base, final) raised %s: %s" % (type(e).__name__, e)])
+    model.eval()
+    adapter = model.active_adapter
+    # Every LoRA parameter (and modules_to_save copy) of the loaded PeftModel under the name PEFT's
+    # adapter_model.safetensors gives it: ".<adapter>" dropped, "<m>.modules_to_save.<adapter>.x"
+    # saved as "<m>.x".
+    loaded = {}
+    for name, p in model.named_parameters():
+        if ".lora_" in name or ".modules_to_save." in name:
+            key = name.replace(".modules_to_save.%s." % adapter, ".").replace(".%s." % adapter, ".")
+            if key in loaded:
+                problems.append("two loaded parameters map to %s" % key)
+            loaded[key] = p
+    problems += _compare(file_tensors, loaded, "PeftModel's LoRA parameters")
+    info["lora_parameters"] = sum(1 for k in loaded if ".lora_" in k)
+    if args.trainer == "reward":
+        # The head in use: the active modules_to_save copy of `score`, seen in a forward pass.
+        key = "base_model.model.score.weight"
+        wrapper = model.base_model.model.score
+        if key not in file_tensors:
+            problems.append("the adapter file has no %s (modules_to_save score)" % key)
+        elif not hasattr(wrapper, "modules_to_save") or adapter not in wrapper.modules_to_save:
+            problems.append("score is not a modules_to_save copy in the loaded PeftModel (adapter_config "
+                            "modules_to_save %r)" % adapter_config.get("modules_to_save"))
+        else:
+            head = wrapper.modules_to_save[adapter]
+            seen = []
+            hook = head.register_forward_hook(lambda m, a, out: seen.append((a[0].detach(), out.detach())))
+            ids = torch.tensor([[tok.bos_token_id if tok.bos_token_id is not None else 1] + list(range(4, 12))])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            hook.remove()
+            if not seen:
+                problems.append("the modules_to_save score copy is not used in the forward pass")
+            else:
+                x, out = seen[0]
+                expect = torch.nn.functional.linear(x, file_tensors[key].to(x.dtype))
+                if not torch.equal(out, expect):
+                    problems.append("the score head in use differs from %s of the file" % key)
+                if not torch.equal(logits.reshape(-1), out[0, -1].reshape(-1)):
+                    problems.append("the reward is not the head's output at the last token")
+                info["score_head"] = "modules_to_save.%s" % adapter
+    if problems:
+        _fail(args, problems)
+    info.update(ok=True, tensors=len(file_tensors), task_type=adapter_config.get("task_type"),
+                r=adapter_config.get("r"), lora_alpha=adapter_config.get("lora_alpha"))
+    print(json.dumps(info))
+    return 0
+
+
 def quiet():
     """One JSON line on stdout: no progress bars, warnings or Trainer log prints."""
     import warnings
@@ -669,6 +874,7 @@ def main():
         sp.add_argument("--lora-alpha", type=int, default=8)
         sp.add_argument("--target-modules", default="all-linear")
         sp.add_argument("--random-lora", action="store_true")
+        sp.add_argument("--init-adapter", default="", help="PEFT adapter dir: the trainable weights' initial values")
         sp.add_argument("--beta", type=float, default=0.1)
         sp.add_argument("--max-prompt-length", type=int, default=12)
         sp.add_argument("--max-completion-length", type=int, default=10)
@@ -680,10 +886,22 @@ def main():
     tr.add_argument("--steps", type=int, default=20)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--world", type=int, default=2)
+    cl = sub.add_parser("check-load")
+    cl.add_argument("--trainer", required=True, choices=["dpo", "orpo", "reward"])
+    cl.add_argument("--base", default="", help="the base model dir (with --peft)")
+    cl.add_argument("--final", required=True, help="replica's final/ directory")
+    cl.add_argument("--peft", action="store_true")
     args = p.parse_args()
+    if args.cmd == "check-load" and args.peft and not args.base:
+        p.error("check-load --peft needs --base")
+    if getattr(args, "init_adapter", "") and not args.peft:
+        p.error("--init-adapter needs --peft")
+    if getattr(args, "init_adapter", "") and args.random_lora:
+        p.error("--init-adapter replaces --random-lora: give one of them")
     if getattr(args, "max_length", None) == 0:
         args.max_length = 80 if args.trainer == "reward" else 20
-    return {"make-model": make_model, "make-data": make_data, "step": step, "train": train}[args.cmd](args)
+    return {"make-model": make_model, "make-data": make_data, "step": step, "train": train,
+            "check-load": check_load}[args.cmd](args)
 
 
 if __name__ == "__main__":
