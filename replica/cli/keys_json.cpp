@@ -80,6 +80,12 @@ std::string keys_json(train::Task task) {
     twins.push_back(entry("text_column", "data.column_mapping.text_column",
                           it == d.data.column_mapping.end() ? nlohmann::json() : nlohmann::json(it->second)));
   }
+  for (const char* name : {"prompt_text_column", "rejected_text_column"}) {
+    if (!train::is_param_key(task, name)) continue;
+    const auto it = d.data.column_mapping.find(name);
+    twins.push_back(entry(name, std::string("data.column_mapping.") + name + " (dpo, orpo, reward)",
+                          it == d.data.column_mapping.end() ? nlohmann::json() : nlohmann::json(it->second)));
+  }
   out["twins"] = std::move(twins);
 
   nlohmann::json autotrain = nlohmann::json::array();

@@ -76,6 +76,11 @@ struct KeySpec {
 // "a mapping", "a list", "null" or the scalar quoted, for "got ..." in messages.
 std::string describe(const YAML::Node& node);
 
+// Writes text so that it reads back as the same text: as yaml-cpp's emitter chooses, unless that
+// form reads back as something else (its plain style takes some leading line breaks and
+// brackets), then double-quoted.
+void write_text(YAML::Emitter& e, const std::string& text);
+
 // Shortest text that reads back as the same double and that YAML 1.1 readers (PyYAML) also
 // take for a float: they need a '.' in the mantissa.
 std::string float_text(double value);
@@ -157,7 +162,7 @@ struct Codec<std::string> {
     out = n.Scalar();
     return true;
   }
-  static void write(YAML::Emitter& e, const std::string& v) { e << v; }
+  static void write(YAML::Emitter& e, const std::string& v) { write_text(e, v); }
   static nlohmann::json json(const std::string& v) { return v; }
   static std::string text(const std::string& v) { return v.empty() ? "none" : v; }
 };
@@ -220,7 +225,7 @@ struct Codec<std::vector<std::string>> {
   static constexpr const char* hint = "A,B,...";
   static bool read(const YAML::Node& n, std::vector<std::string>& out, YAML::Node& culprit);
   static std::string joined(const std::vector<std::string>& v) { return join_names(v, ","); }
-  static void write(YAML::Emitter& e, const std::vector<std::string>& v) { e << joined(v); }
+  static void write(YAML::Emitter& e, const std::vector<std::string>& v) { write_text(e, joined(v)); }
   static nlohmann::json json(const std::vector<std::string>& v) { return joined(v); }
   static std::string text(const std::vector<std::string>& v) { return joined(v); }
 };

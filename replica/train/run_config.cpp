@@ -35,6 +35,25 @@ std::string describe(const YAML::Node& node) {
   return "'" + excerpt(node.Scalar()) + "'";
 }
 
+void write_text(YAML::Emitter& e, const std::string& text) {
+  // Probed where config.yaml writes text: as a mapping's value (the emitter's choice depends on
+  // it) with a line after it (a trailing carriage return before the line break is dropped).
+  YAML::Emitter probe;
+  probe << YAML::BeginMap << YAML::Key << "k" << YAML::Value << text << YAML::Key << "z" << YAML::Value << 0
+        << YAML::EndMap;
+  bool same = false;
+  try {
+    const YAML::Node back = YAML::Load(probe.c_str());
+    same = back.IsMap() && back["k"].IsScalar() && back["k"].Scalar() == text;
+  } catch (const YAML::Exception&) {
+  }
+  if (same) {
+    e << text;
+  } else {
+    e << YAML::DoubleQuoted << text;
+  }
+}
+
 std::string float_text(double value) {
   const std::string text = fmt::format("{}", value);
   if (!std::isfinite(value)) return text;
@@ -610,10 +629,18 @@ void set_param(RunConfig& config, const std::string& key, const std::string& val
 namespace {
 
 // Every key and scalar value of the tree is UTF-8, or a replica::Error naming its line. An
-// explicit stack: the nesting was bounded by the reader, this walk adds no recursion.
+// explicit stack: the nesting was bounded by the reader, this walk adds no recursion. Aliases
+// are walked where they are used, so a tree of aliases of aliases (a "billion laughs") is
+// bounded by a count of values no configuration comes near.
 void check_scalars_are_utf8(const YAML::Node& root, const KeyLocation& loc) {
+  constexpr int64_t kMaxValues = 100000;
+  int64_t visited = 0;
   std::vector<YAML::Node> pending = {root};
   while (!pending.empty()) {
+    if (++visited > kMaxValues) {
+      fail("{}the configuration holds more than {} values once its aliases are expanded (a YAML alias bomb?)",
+           loc.at(root), kMaxValues);
+    }
     const YAML::Node node = pending.back();
     pending.pop_back();
     if (node.IsScalar()) {
@@ -786,26 +813,31 @@ std::string to_yaml(const RunConfig& c) {
   out.SetNullFormat(YAML::LowerNull);
   out << YAML::BeginMap;
   out << YAML::Key << "task" << YAML::Value << name_of(c.task);
-  out << YAML::Key << "backend" << YAML::Value << c.backend;
+  out << YAML::Key << "backend" << YAML::Value; write_text(out, c.backend);
   if (task_spec(c.task).models.empty()) {
-    out << YAML::Key << "base_model" << YAML::Value << c.base_model;
+    out << YAML::Key << "base_model" << YAML::Value; write_text(out, c.base_model);
   } else {
-    out << YAML::Key << "model" << YAML::Value << c.model;
+    out << YAML::Key << "model" << YAML::Value; write_text(out, c.model);
   }
-  out << YAML::Key << "project_name" << YAML::Value << c.project_name;
+  out << YAML::Key << "project_name" << YAML::Value; write_text(out, c.project_name);
 
   out << YAML::Key << "data" << YAML::Value << YAML::BeginMap;
-  out << YAML::Key << "path" << YAML::Value << c.data.path;
-  out << YAML::Key << "train_split" << YAML::Value << c.data.train_split;
+  out << YAML::Key << "path" << YAML::Value; write_text(out, c.data.path);
+  out << YAML::Key << "train_split" << YAML::Value; write_text(out, c.data.train_split);
   out << YAML::Key << "valid_split" << YAML::Value;
   if (c.data.valid_split) {
-    out << *c.data.valid_split;
+    write_text(out, *c.data.valid_split);
   } else {
     out << YAML::Null;
   }
-  out << YAML::Key << "chat_template" << YAML::Value << c.data.chat_template;
+  out << YAML::Key << "chat_template" << YAML::Value; write_text(out, c.data.chat_template);
   out << YAML::Key << "column_mapping" << YAML::Value << YAML::BeginMap;
-  for (const auto& [name, column] : c.data.column_mapping) out << YAML::Key << name << YAML::Value << column;
+  for (const auto& [name, column] : c.data.column_mapping) {
+    out << YAML::Key;
+    write_text(out, name);
+    out << YAML::Value;
+    write_text(out, column);
+  }
   out << YAML::EndMap;
   out << YAML::EndMap;
 
@@ -896,7 +928,11 @@ std::string keys_help(Task task) {
   if (has_params_twins(task)) {
     out += "Twins of data: keys (AutoTrain's flat names):\n";
     out += help_line("--chat-template NAME", "data.chat_template: tokenizer, chatml, llama3 or none [tokenizer]");
-    out += help_line("--text-column NAME", "data.column_mapping.text_column [text]");
+    out += help_line("--text-column NAME", "data.column_mapping.text_column [text] (dpo, orpo, reward: the chosen "
+                                           "completion's column; without it, TRL's chosen)");
+    out += help_line("--prompt-text-column NAME", "data.column_mapping.prompt_text_column: dpo, orpo, reward [prompt]");
+    out += help_line("--rejected-text-column NAME",
+                     "data.column_mapping.rejected_text_column: dpo, orpo, reward [rejected]");
   }
   return out;
 }

@@ -634,6 +634,26 @@ TEST_F(ConfigTest, HostileScalarsAreNamedByFileLineAndKeyAndShownByExcerpt) {
 
   const std::string bytes = error_of("task: image-classification\nproject_name: \"\x17\x9d\"\n");
   EXPECT_EQ(bytes, "run.yaml:2: not valid UTF-8 (byte 43 of the file)");
+
+  // Valid UTF-8 that yaml-cpp reads into invalid bytes (control characters and a NUL in a plain
+  // scalar came out as a lone 0xA0): refused at its line, not thrown later by JSON's writer.
+  const std::string controls =
+      error_of(std::string("task: image-classification\nproject_name: r\x04\x05" "c\0_\x04\x04nis\n", 53));
+  EXPECT_NE(controls.find("run.yaml:2"), std::string::npos) << controls;
+  EXPECT_NE(controls.find("not valid UTF-8"), std::string::npos) << controls;
+
+  // Aliases of aliases: refused by a count of values, in bounded time, not walked 10^k times.
+  std::string bomb = "task: image-classification\nparams:\n  a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int i = 1; i < 9; ++i) {
+    bomb += fmt::format("  a{1}: &a{1} [*a{0}, *a{0}, *a{0}, *a{0}, *a{0}, *a{0}, *a{0}, *a{0}, *a{0}, *a{0}]\n", i - 1, i);
+  }
+  const std::string expanded = error_of(bomb);
+  EXPECT_NE(expanded.find("alias"), std::string::npos) << expanded;
+
+  // A value yaml-cpp's emitter writes plain although it reads back as something else (line
+  // breaks, then brackets): config.yaml quotes it, and reads back as the same run.
+  const RunConfig odd = parse_config(std::string("task: image-classification\nmodel: mlp\nproject_name: \r\r\r[[[[\r\r\n"), "run.yaml");
+  EXPECT_EQ(parse_config(to_yaml(odd), "config.yaml"), odd) << to_yaml(odd);
 }
 
 }  // namespace

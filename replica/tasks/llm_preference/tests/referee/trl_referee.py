@@ -26,7 +26,8 @@ references below are to .venv/lib/python3.11/site-packages/trl/ of that version.
       below truncate prompts, completions and whole sequences, and drop reward rows.
 
   step --trainer dpo|orpo|reward --model DIR --data FILE --out FILE.safetensors
-       [--peft [--lora-r 4] [--lora-alpha 8] [--target-modules all-linear] [--random-lora]]
+       [--peft [--lora-r 4] [--lora-alpha 8] [--target-modules all-linear]
+               [--random-lora | --init-adapter DIR]]
        [--ref-model DIR] [--beta 0.1] [--max-prompt-length 12] [--max-completion-length 10]
        [--max-length L] [--batch 4] [--seed 42] [--check-train]
       TRL's trainer built as AutoTrain 0.8.36's train_clm_{dpo,orpo,reward}.py builds it
@@ -39,6 +40,18 @@ references below are to .venv/lib/python3.11/site-packages/trl/ of that version.
       becomes modules_to_save), target_modules); its A matrices are drawn under
       torch.manual_seed(--seed), B = 0 (PEFT's init). --random-lora then draws every A, B (and the
       score copy) N(0, 0.1^2) from --seed + 1, so that step 1 is not the degenerate B = 0 one.
+      --init-adapter DIR (instead of --random-lora) starts the trainable weights from the PEFT
+      adapter directory DIR (adapter_config.json + adapter_model.safetensors in PEFT's layout,
+      e.g. one replica wrote; for reward task_type SEQ_CLS, modules_to_save ["score"], holding
+      base_model.model.score.weight): after TRL has built its PeftModel with the LoraConfig above,
+      every tensor of the file is copied into its parameter with PEFT's set_peft_model_state_dict
+      (the score head into the modules_to_save copy). It fails unless the file's keys are exactly
+      the trainable parameters' adapter names (no tensor matching no parameter, no trainable
+      parameter without a value), shapes agree, adapter_config.json's r, lora_alpha, use_rslora
+      and task_type are the LoraConfig's (pass --lora-r/--lora-alpha to match), and then every
+      trainable parameter equals its tensor exactly. This trains the same weights, with the same
+      step-1 loss and gradients bit for bit, as handing TRL PeftModel.from_pretrained(base, DIR,
+      is_trainable=True). DPO's reference stays the base with adapters disabled.
       DPO's reference: with --peft the same model with adapters disabled (TRL's null_ref_context);
       without, a frozen deep copy of the initial model (create_reference_model), or --ref-model
       DIR (AutoTrain's model_ref). Reward: AutoModelForSequenceClassification(num_labels 1,
@@ -88,6 +101,28 @@ references below are to .venv/lib/python3.11/site-packages/trl/ of that version.
       4 digits; grad_norm of the averaged gradients; the trainer's metrics, which are rank 0's
       own batch only, TRL does not gather them; "rows": rank 0's data rows), DIR/log.rank1.jsonl
       the same for rank 1 (its own metrics and rows). Prints one JSON line (first and last log).
+      With --init-adapter DIR0, DIR/init/ holds exactly DIR0's tensors.
+
+  check-load --trainer dpo|orpo|reward --final DIR [--peft --base BASE]
+      Whether the final/ directory replica wrote loads in the real stack, exactly:
+      --peft: the base from BASE (AutoModelForCausalLM, or for reward
+      AutoModelForSequenceClassification with num_labels 1 and config.pad_token_id the pad id of
+      the tokenizer in DIR, else BASE's), dtype float32, then PeftModel.from_pretrained(base, DIR);
+      adapter_config.json's task_type must be CAUSAL_LM (dpo, orpo) or SEQ_CLS (reward). Every
+      tensor of DIR/adapter_model.safetensors must equal the loaded PeftModel's parameter of that
+      name (lora_A/lora_B ".default" dropped; "score.modules_to_save.default.weight" saved as
+      "score.weight") exactly, and the PeftModel may have no LoRA / modules_to_save parameter the
+      file lacks. Reward: also the head used in a forward pass is the modules_to_save copy and its
+      output is F.linear(input, base_model.model.score.weight of the file), the reward being its
+      value at the last token.
+      Without --peft: AutoModelForSequenceClassification (reward; num_labels must be 1) or
+      AutoModelForCausalLM .from_pretrained(DIR, output_loading_info=True) with no missing,
+      unexpected or mismatched keys and no error; every tensor of DIR/model.safetensors (or its
+      shards) equals the loaded model's state_dict entry (the file's cast to the loaded dtype)
+      and the state_dict has no entry the file lacks; AutoTokenizer.from_pretrained(DIR) must load
+      (reward always; dpo/orpo when DIR has tokenizer files).
+      Prints one JSON line {"ok": true, "tensors": N, ...}; on any mismatch exits 1 with the
+      list of problems on stderr.
 
 What an independent implementation must reproduce (TRL 0.13.0, transformers 4.57.6)
 -----------------------------------------------------------------------------------
