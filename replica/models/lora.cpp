@@ -448,12 +448,31 @@ LoraConfig read_adapter_config(const std::string& dir) {
   if (!type || !type->is_string() || type->get<std::string>() != "LORA") {
     fail("{}: peft_type {} is not supported (only LORA)", path, type ? json_excerpt(*type) : "missing");
   }
-  if (const json* task = get("task_type"); task && (!task->is_string() || task->get<std::string>() != "CAUSAL_LM")) {
-    fail("{}: task_type {} is not supported (only CAUSAL_LM)", path, json_excerpt(*task));
+  // CAUSAL_LM, or SEQ_CLS with the score head saved whole (a reward model's adapter).
+  std::string task_type = "CAUSAL_LM";
+  if (const json* task = get("task_type")) {
+    if (!task->is_string() || (task->get<std::string>() != "CAUSAL_LM" && task->get<std::string>() != "SEQ_CLS")) {
+      fail("{}: task_type {} is not supported (CAUSAL_LM, or SEQ_CLS: a reward model's)", path, json_excerpt(*task));
+    }
+    task_type = task->get<std::string>();
+  }
+  std::vector<std::string> modules_to_save;
+  if (task_type == "SEQ_CLS") {
+    modules_to_save = {"score"};
+    // PEFT's SEQ_CLS adds its classifier names ("classifier", "score") itself; the head is score.
+    if (const json* m = get("modules_to_save"); m && !m->empty()) {
+      bool ok = m->is_array();
+      for (const auto& item : ok ? *m : json::array()) ok = ok && (item == "score" || item == "classifier");
+      if (!ok) {
+        fail("{}: modules_to_save = {} is not supported (a reward model's adapter saves its head, score)", path,
+             json_excerpt(*m));
+      }
+    }
   }
   for (const char* key : {"use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform",
                           "layer_replication", "exclude_modules", "target_parameters", "lora_bias",
                           "trainable_token_indices", "alora_invocation_tokens", "arrow_config", "use_qalora"}) {
+    if (task_type == "SEQ_CLS" && std::string(key) == "modules_to_save") continue;  // checked above
     if (non_empty(key)) fail("{}: {} = {} is not supported", path, key, json_excerpt(*get(key)));
   }
   if (const json* b = get("bias"); b && (!b->is_string() || b->get<std::string>() != "none")) {
@@ -461,6 +480,8 @@ LoraConfig read_adapter_config(const std::string& dir) {
   }
 
   LoraConfig c;
+  c.task_type = task_type;
+  c.modules_to_save = modules_to_save;
   const json* r = get("r");
   if (!r) fail("{}: r must be a positive integer, got missing", path);
   // The rank sizes every adapter matrix: bounded before anything is allocated (load_adapter
@@ -499,8 +520,13 @@ LoraConfig read_adapter_config(const std::string& dir) {
   return c;
 }
 
-LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir) {
+LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir, io::NamedTensors* saved_modules) {
   LoraConfig config = read_adapter_config(dir);
+  if (!config.modules_to_save.empty() && !saved_modules) {
+    fail("{}: a {} adapter (a reward model's LoRA with its score head) loads only into a reward model (trainer "
+         "reward)",
+         (fs::path(dir) / "adapter_config.json").string(), config.task_type);
+  }
   const fs::path weights = fs::path(dir) / "adapter_model.safetensors";
   if (!fs::exists(weights)) {
     if (fs::exists(fs::path(dir) / "adapter_model.bin")) {
@@ -521,8 +547,21 @@ LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir) {
     }
   }
   if (!any_lora_a) fail("{}: holds no lora_A tensor: not a LoRA adapter", weights.string());
+  // The modules saved whole (PEFT's base_model.model.<module>.<tensor>) go to the caller.
+  io::NamedTensors adapters;
+  for (auto& [name, tensor] : file.tensors) {
+    bool whole = false;
+    for (const auto& m : config.modules_to_save) {
+      const std::string prefix = "base_model.model." + m + ".";
+      if (name.rfind(prefix, 0) == 0) {
+        saved_modules->emplace_back(m + "." + name.substr(prefix.size()), tensor);
+        whole = true;
+      }
+    }
+    if (!whole) adapters.emplace_back(name, tensor);
+  }
   apply_lora(model, config);
-  load_lora_state_dict(model, file.tensors, weights.string());
+  load_lora_state_dict(model, adapters, weights.string());
   return config;
 }
 

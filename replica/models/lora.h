@@ -152,11 +152,15 @@ void load_lora_state_dict(torch::nn::Module& model, const io::NamedTensors& tens
 void save_adapter(const torch::nn::Module& model, const LoraConfig& config, const std::string& dir,
                   const io::NamedTensors& extra = {});
 // Reads DIR/adapter_config.json; replica::Error naming the file and the field for what
-// replica does not support (peft_type other than LORA, use_dora, modules_to_save,
+// replica does not support (peft_type other than LORA, task_type other than CAUSAL_LM and
+// SEQ_CLS (whose modules_to_save is the score head), use_dora, other modules_to_save,
 // rank_pattern/alpha_pattern, layers_to_transform, bias other than none, fan_in_fan_out...).
 LoraConfig read_adapter_config(const std::string& dir);
 // read_adapter_config + apply_lora + load_lora_state_dict from DIR/adapter_model.safetensors.
-LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir);
+// A SEQ_CLS adapter (a reward model's) also saves modules whole (its score head): they are
+// handed to *saved_modules under the model's names (score.weight); without it, such an
+// adapter is refused.
+LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir, io::NamedTensors* saved_modules = nullptr);
 
 // Folds every adapter into its base weight (W += scaling * B @ A) and removes the adapters;
 // returns how many were merged. Base parameters stay frozen (requires_grad unchanged).

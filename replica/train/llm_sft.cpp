@@ -434,6 +434,18 @@ void check_llm_sft_config(const RunConfig& config) {
            config.llm.quantization);
     }
   }
+  if (!config.llm.init_adapter.empty()) {
+    if (!config.llm.peft) fail("params.init_adapter '{}' needs peft: true (it holds LoRA adapters)", config.llm.init_adapter);
+    if (!fs::is_directory(config.llm.init_adapter)) {
+      fail("params.init_adapter '{}' is not an adapter directory", config.llm.init_adapter);
+    }
+    const auto adapter = models::read_adapter_config(config.llm.init_adapter);
+    const bool reward = config.llm.trainer == "reward";
+    if ((adapter.task_type == "SEQ_CLS") != reward) {
+      fail("params.init_adapter '{}' is a {} adapter; trainer {} needs a {} one", config.llm.init_adapter,
+           adapter.task_type, config.llm.trainer, reward ? "SEQ_CLS (reward model)" : "CAUSAL_LM");
+    }
+  }
   if (config.llm.unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
   const fs::path model(config.base_model);
   if (!fs::is_directory(model)) fail("base_model '{}' is not a model directory", config.base_model);
@@ -491,8 +503,24 @@ models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const Wo
   // AutoTrain's default: every decoder layer recomputed in backward (models/recompute.h).
   model->model->set_gradient_checkpointing(!config.llm.disable_gradient_checkpointing);
   if (settings.peft) {
-    *lora = settings.lora;
-    const auto adapted = models::apply_lora(*model, *lora);
+    std::vector<std::string> adapted;
+    if (!config.llm.init_adapter.empty()) {
+      // Continue an adapter: its own LoraConfig, its weights (a reward model's score head to
+      // `extra`, which the reward workload reads as it reads a checkpoint's head).
+      io::NamedTensors whole;
+      *lora = models::load_adapter(*model, config.llm.init_adapter, extra ? &whole : nullptr);
+      lora->base_model_name_or_path = config.base_model;
+      for (auto& [name, tensor] : whole) extra->taken[name] = tensor;
+      for (const auto& item : model->named_modules()) {
+        if (auto* l = dynamic_cast<models::LoraLinearImpl*>(item.value().get()); l && l->has_lora()) {
+          adapted.push_back(item.key());
+        }
+      }
+      if (main) spdlog::info("{}: LoRA adapters start from {}", tag, config.llm.init_adapter);
+    } else {
+      *lora = settings.lora;
+      adapted = models::apply_lora(*model, *lora);
+    }
     if (main) {
       // A quantized weight is not a parameter any more; it still counts in the model's size.
       int64_t trainable = 0, total = models::base_memory(*model).quantized_fp16_bytes / 2;
@@ -745,6 +773,11 @@ TaskSpec llm_sft_task() {
       key("target_modules", l, &L::target_modules,
           "the adapted linears: all-linear, or names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
           .group("LoRA"),
+      key("init_adapter", l, &L::init_adapter,
+          "peft: start from this PEFT adapter directory instead of fresh adapters (its r, lora_alpha, dropout and "
+          "target modules; a reward model's also its score head): continue training an adapter, e.g. DPO after SFT")
+          .group("LoRA")
+          .null_is(""),
       key("merge_adapter", l, &L::merge_adapter, "also fold the adapter into the base model: project_name/merged/").group("LoRA"),
       key("model_max_length", l, &L::model_max_length, "samples are truncated to this many tokens")
           .group("LLM")

@@ -212,6 +212,7 @@ struct LlmParams {
   double router_aux_loss_coef = -1;         // -1: the model's config.json decides
   // The alignment trainers (dpo, orpo, reward; replica/tasks/llm_preference), AutoTrain's names
   // and defaults.
+  std::string init_adapter;                 // peft: start from this PEFT adapter; "" = fresh adapters
   std::string model_ref;                    // dpo: the reference model; "" = the frozen base
   double dpo_beta = 0.1;                    // dpo and orpo: beta
   int64_t max_prompt_length = 128;          // prompt tokens kept (its end)

@@ -417,6 +417,15 @@ void check_preference_config(const RunConfig& config) {
     if (!fs::is_directory(config.llm.model_ref)) fail("params.model_ref '{}' is not a model directory", config.llm.model_ref);
   }
   if (!(config.llm.dpo_beta > 0)) fail("params.dpo_beta must be > 0, got {}", config.llm.dpo_beta);
+  if (t == "orpo") {
+    // TRL's ORPO cuts a completion to block_size - max_prompt_length tokens when a pair is too long.
+    const int64_t block_size = train::llm_sft_settings(config).block_size;
+    if (block_size <= config.llm.max_prompt_length) {
+      fail("params.block_size {} must be larger than params.max_prompt_length {} for trainer orpo (a pair too long "
+           "keeps block_size - max_prompt_length completion tokens)",
+           block_size, config.llm.max_prompt_length);
+    }
+  }
 }
 
 std::unique_ptr<train::Workload> make_preference_workload(const RunConfig& config, const WorkloadContext& context) {
