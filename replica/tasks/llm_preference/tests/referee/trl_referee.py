@@ -17,13 +17,21 @@ references below are to .venv/lib/python3.11/site-packages/trl/ of that version.
       PreTrainedTokenizerFast, model_max_length 128, padding_side right; chat template ChatML
       (replica/text/tests/chat_templates/chatml.jinja). vocab_size = len(tokenizer).
       Deterministic. Prints one JSON line.
+      [--hidden 32] [--layers 2] [--heads 4] [--kv-heads 2] [--intermediate 64]
+      [--max-positions 128] [--init-std 0.1]: another shape (bench/preference_vs_trl.sh uses
+      --hidden 256 --layers 4 --heads 8 --kv-heads 4 --intermediate 688 --max-positions 256
+      --init-std 0.02); --max-positions is also the tokenizer's model_max_length; --init-std the
+      std of every weight but the norms (norms 1 + N(0, (2 init-std)^2)). The defaults give the
+      model above, bit for bit.
 
-  make-data --out FILE [--kind text|chat] [--rows N]
+  make-data --out FILE [--kind text|chat] [--rows N] [--repeat K]
       N (default 8) preference rows, JSONL, TRL's columns. text: {"prompt": str, "chosen":
       " " + str, "rejected": " " + str}; chat: {"prompt": [{"role": "user", ...}], "chosen":
       [{"role": "assistant", ...}], "rejected": [{"role": "assistant", ...}]} (TRL's
       conversational preference format, explicit prompt). Lengths vary so that the defaults
-      below truncate prompts, completions and whole sequences, and drop reward rows.
+      below truncate prompts, completions and whole sequences, and drop reward rows. --repeat K
+      (default 1): row i's prompt, chosen and rejected each join the K items i, i+1, .. (mod 12)
+      with a space, for longer sequences (benchmarks).
 
   step --trainer dpo|orpo|reward --model DIR --data FILE --out FILE.safetensors
        [--peft [--lora-r 4] [--lora-alpha 8] [--target-modules all-linear]
@@ -102,6 +110,11 @@ references below are to .venv/lib/python3.11/site-packages/trl/ of that version.
       own batch only, TRL does not gather them; "rows": rank 0's data rows), DIR/log.rank1.jsonl
       the same for rank 1 (its own metrics and rows). Prints one JSON line (first and last log).
       With --init-adapter DIR0, DIR/init/ holds exactly DIR0's tensors.
+      --timing (benchmarks): also DIR/timing.jsonl (rank 0) and DIR/timing.rank1.jsonl, one line
+      per step: {"step", "t_begin", "t_end", "tokens"}: time.perf_counter() at the Trainer's
+      on_step_begin and on_step_end callbacks, and the tokens of the rank's batch that step
+      (chosen + rejected sequences as the model is fed them, padding excluded: DPO each row
+      min(prompt + completion, max_length), ORPO and reward the attention masks' sums).
 
   check-load --trainer dpo|orpo|reward --final DIR [--peft --base BASE]
       Whether the final/ directory replica wrote loads in the real stack, exactly:
@@ -286,7 +299,7 @@ def corpus():
     return lines + ["user assistant system the of and to in is that it for on with as was"]
 
 
-def make_tokenizer():
+def make_tokenizer(model_max_length=128):
     """A Llama 3 style byte-level BPE: ByteLevel pre-tokenizer (GPT-2 regex), merges learned on
     corpus(), ByteLevel decoder, TemplateProcessing "<s> $A" (BOS with add_special_tokens)."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
@@ -306,16 +319,17 @@ def make_tokenizer():
         template = f.read()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
                                    pad_token="<pad>", additional_special_tokens=["<|im_start|>"],
-                                   model_max_length=128, padding_side="right")
+                                   model_max_length=model_max_length, padding_side="right")
     fast.chat_template = template
     return fast
 
 
 def make_model(args):
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(args.max_positions)
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_positions, rms_norm_eps=1e-5,
         rope_theta=10000.0, tie_word_embeddings=False, attention_dropout=0.0, attention_bias=False,
         mlp_bias=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
@@ -325,9 +339,9 @@ def make_model(args):
     with torch.no_grad():  # larger than _init_weights' std 0.02, so that the logits are not flat
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+                p.copy_(1.0 + 2 * args.init_std * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(args.init_std * torch.randn(p.shape, generator=g))
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out, save_jinja_files=False)
     print(json.dumps({"out": args.out, "vocab_size": len(tokenizer), "bos": tokenizer.bos_token_id,
@@ -340,7 +354,8 @@ def make_data(args):
     n = len(QUESTIONS)
     with open(args.out, "w") as f:
         for i in range(args.rows):
-            q, c, r = QUESTIONS[i % n], CHOSEN[i % n], REJECTED[i % n]
+            q, c, r = (" ".join(items[(i + j) % n] for j in range(args.repeat))
+                       for items in (QUESTIONS, CHOSEN, REJECTED))
             if args.kind == "text":
                 row = {"prompt": q, "chosen": " " + c, "rejected": " " + r}
             else:
@@ -348,7 +363,10 @@ def make_data(args):
                        "chosen": [{"role": "assistant", "content": c}],
                        "rejected": [{"role": "assistant", "content": r}]}
             f.write(json.dumps(row) + "\n")
-    print(json.dumps({"out": args.out, "kind": args.kind, "rows": args.rows}))
+    info = {"out": args.out, "kind": args.kind, "rows": args.rows}
+    if args.repeat != 1:
+        info["repeat"] = args.repeat
+    print(json.dumps(info))
     return 0
 
 
@@ -687,6 +705,8 @@ def train(args):
         return collate(examples)
 
     trainer.data_collator = recording
+    if args.timing:
+        timing = add_timing(trainer, args)
     trainer.train()
     logs = [dict(h) for h in trainer.state.log_history if "loss" in h]
     for k, h in enumerate(logs):
@@ -695,10 +715,54 @@ def train(args):
     with open(os.path.join(args.out, name), "w") as f:
         for h in logs:
             f.write(json.dumps(h) + "\n")
+    if args.timing:
+        with open(os.path.join(args.out, "timing.jsonl" if rank == 0 else "timing.rank%d.jsonl" % rank), "w") as f:
+            for k, t in enumerate(timing["steps"]):
+                f.write(json.dumps(dict(t, step=k + 1, tokens=timing["tokens"][k])) + "\n")
     if rank == 0:
         trainer.save_model(args.out)  # AutoTrain's post_training_steps: the adapter (or model) into DIR
         shutil.rmtree(os.path.join(args.out, "trainer"), ignore_errors=True)  # output_dir: nothing saved there
     return 0
+
+
+def batch_tokens(trainer, batch, max_length):
+    """Tokens of the chosen and rejected sequences of a collated batch as the model is fed them,
+    padding excluded (what `sequences` returns, counted from the masks alone)."""
+    if "input_ids_chosen" in batch:  # reward
+        return int(batch["attention_mask_chosen"].sum() + batch["attention_mask_rejected"].sum())
+    if "chosen_labels" in batch:  # ORPO: prompt + answer per side
+        return int(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+    prompt = batch["prompt_attention_mask"].sum(1)  # DPO: (prompt ++ completion)[:max_length]
+    n = 0
+    for side in ("chosen", "rejected"):
+        total = prompt + batch[side + "_attention_mask"].sum(1)
+        n += int((total.clamp(max=max_length) if max_length is not None else total).sum())
+    return n
+
+
+def add_timing(trainer, args):
+    """--timing: perf_counter at every step's on_step_begin / on_step_end, and the tokens of every
+    batch the (recording) collator built, in order."""
+    import time
+    out = {"steps": [], "tokens": []}
+    collate = trainer.data_collator
+
+    def counting(examples):
+        batch = collate(examples)
+        out["tokens"].append(batch_tokens(trainer, batch, trainer.args.max_length))
+        return batch
+
+    trainer.data_collator = counting
+
+    class Timing(transformers.TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            out["steps"].append({"t_begin": time.perf_counter()})
+
+        def on_step_end(self, a, state, control, **kw):
+            out["steps"][-1]["t_end"] = time.perf_counter()
+
+    trainer.add_callback(Timing())
+    return out
 
 
 def _positions(trainer, examples):
@@ -892,10 +956,18 @@ def main():
     mm = sub.add_parser("make-model")
     mm.add_argument("--out", required=True)
     mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--hidden", type=int, default=32)
+    mm.add_argument("--layers", type=int, default=2)
+    mm.add_argument("--heads", type=int, default=4)
+    mm.add_argument("--kv-heads", type=int, default=2)
+    mm.add_argument("--intermediate", type=int, default=64)
+    mm.add_argument("--max-positions", type=int, default=128, help="also the tokenizer's model_max_length")
+    mm.add_argument("--init-std", type=float, default=0.1)
     md = sub.add_parser("make-data")
     md.add_argument("--out", required=True)
     md.add_argument("--kind", default="text", choices=["text", "chat"])
     md.add_argument("--rows", type=int, default=8)
+    md.add_argument("--repeat", type=int, default=1, help="items joined per text (longer rows)")
     st = sub.add_parser("step")
     tr = sub.add_parser("train")
     for sp in (st, tr):
@@ -921,6 +993,7 @@ def main():
     tr.add_argument("--steps", type=int, default=20)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--world", type=int, default=2)
+    tr.add_argument("--timing", action="store_true", help="DIR/timing*.jsonl: per-step times and tokens")
     cl = sub.add_parser("check-load")
     cl.add_argument("--trainer", required=True, choices=["dpo", "orpo", "reward"])
     cl.add_argument("--base", default="", help="the base model dir (with --peft)")
