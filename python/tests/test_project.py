@@ -51,6 +51,20 @@ def test_llm_demo_from_python_equals_the_cli(demo_dir, tmp_path):
         assert same_bytes(cli_project / "final" / name, run.final_dir / name), f"final/{name} differs"
 
 
+def test_dpo_from_python_logs_trls_metrics(demo_dir, tmp_path):
+    # AutoTrain's LLMTrainingParams(trainer="dpo", ...) on the demo's preference data.
+    params = replica.LLMTrainingParams(model=str(demo_dir / "model"), data_path=str(demo_dir / "data" / "preference"),
+                                       project_name=str(tmp_path / "dpo"), trainer="dpo", peft=True, max_steps=3,
+                                       block_size=128, batch_size=4, gradient_accumulation=1, dpo_beta=0.2,
+                                       max_prompt_length=64, nproc_per_node=2, logging_steps=1)
+    run = replica.Project(params, backend="local", process=True).create()
+    assert run.returncode == 0 and run.metrics[-1]["step"] == 3
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        assert name in run.metrics[-1], name
+    assert run.training_params["trainer"] == "dpo" and run.training_params["dpo_beta"] == 0.2
+    assert (run.final_dir / "adapter_config.json").exists()
+
+
 def test_run_handle_wait_logs_metrics(tmp_path):
     need_fashion_mnist()
     params = replica.ImageClassificationParams(project_name=str(tmp_path / "mlp"), nproc_per_node=1, hidden_sizes=[64],
