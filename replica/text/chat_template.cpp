@@ -264,4 +264,31 @@ ChatTemplateSource chat_template_source(const std::string& mode,
   fail("chat_template: unknown value '{}' (valid: tokenizer, chatml, llama3, none)", mode);
 }
 
+ModelChatTemplate::ModelChatTemplate(std::string mode, std::string model_dir)
+    : mode_(std::move(mode)), model_dir_(std::move(model_dir)), special_tokens_(chat_special_tokens(model_dir_)) {}
+
+ModelChatTemplate::ModelChatTemplate(const std::string& source, nlohmann::ordered_json special_tokens)
+    : special_tokens_(std::move(special_tokens)), loaded_(true) {
+  if (!source.empty()) template_ = std::make_shared<const ChatTemplate>(source);
+}
+
+const ChatTemplate& ModelChatTemplate::get(const std::string& where) const {
+  if (!loaded_) {
+    const ChatTemplateSource source = chat_template_source(mode_, model_dir_);
+    if (!source.text.empty()) template_ = std::make_shared<const ChatTemplate>(source);
+    loaded_ = true;
+  }
+  if (!template_) {
+    fail("{}: a chat (list of messages) needs a chat template, but chat_template is none "
+         "(use tokenizer, chatml or llama3)",
+         where);
+  }
+  return *template_;
+}
+
+std::string ModelChatTemplate::render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                      const std::string& where) const {
+  return get(where).render(messages, add_generation_prompt, special_tokens_);
+}
+
 }  // namespace replica::text

@@ -163,4 +163,26 @@ ChatTemplateSource chat_template_source(const std::string& mode,
 // tokenizer_config.json gives an empty object; malformed JSON is a replica::Error naming it.
 nlohmann::ordered_json chat_special_tokens(const std::string& tokenizer_config_json_path);
 
+// The chat template that a chat_template mode (tokenizer | chatml | llama3 | none) selects for a
+// model directory, read on first use (a data set without chats needs none), rendered with the
+// special tokens transformers passes it (bos_token, ...): the data encoders' one way to a model's
+// template.
+class ModelChatTemplate {
+ public:
+  ModelChatTemplate(std::string mode, std::string model_dir);
+  // Explicit parts (tests): source "" = no template.
+  ModelChatTemplate(const std::string& source, nlohmann::ordered_json special_tokens);
+  // The template; replica::Error naming `where` when the mode is none.
+  const ChatTemplate& get(const std::string& where) const;
+  // get(where).render(messages, add_generation_prompt, the special tokens).
+  std::string render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                     const std::string& where) const;
+
+ private:
+  std::string mode_, model_dir_;
+  nlohmann::ordered_json special_tokens_;
+  mutable bool loaded_ = false;
+  mutable std::shared_ptr<const ChatTemplate> template_;
+};
+
 }  // namespace replica::text

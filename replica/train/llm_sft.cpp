@@ -121,35 +121,20 @@ std::vector<uint8_t> SftSample::loss_mask() const {
 }
 
 SftEncoder::SftEncoder(const std::string& model_dir, SftEncoderOptions options)
-    : tokenizer_(text::Tokenizer::from_dir(model_dir)), options_(std::move(options)), model_dir_(model_dir) {
-  special_tokens_ = text::chat_special_tokens(model_dir);
-}
+    : tokenizer_(text::Tokenizer::from_dir(model_dir)),
+      options_(std::move(options)),
+      template_(options_.chat_template, model_dir) {}
 
 SftEncoder::SftEncoder(text::Tokenizer tokenizer, std::string template_source, ordered_json special_tokens,
                        SftEncoderOptions options)
-    : tokenizer_(std::move(tokenizer)), options_(std::move(options)), special_tokens_(std::move(special_tokens)) {
-  template_loaded_ = true;
-  if (!template_source.empty()) template_ = std::make_shared<const text::ChatTemplate>(template_source);
-}
+    : tokenizer_(std::move(tokenizer)), options_(std::move(options)), template_(template_source, std::move(special_tokens)) {}
 
-const text::ChatTemplate& SftEncoder::chat_template(const std::string& where) const {
-  if (!template_loaded_) {
-    const text::ChatTemplateSource source = text::chat_template_source(options_.chat_template, model_dir_);
-    if (!source.text.empty()) template_ = std::make_shared<const text::ChatTemplate>(source);
-    template_loaded_ = true;
-  }
-  if (!template_) {
-    fail("{}: a chat (list of messages) needs a chat template, but chat_template is none "
-         "(use tokenizer, chatml or llama3)",
-         where);
-  }
-  return *template_;
-}
+const text::ChatTemplate& SftEncoder::chat_template(const std::string& where) const { return template_.get(where); }
 
 std::string SftEncoder::render(const json& messages, size_t count, bool add_generation_prompt) const {
   ordered_json prefix = ordered_json::array();
   for (size_t i = 0; i < count; ++i) prefix.push_back(ordered_json(messages[i]));
-  return template_->render(prefix, add_generation_prompt, special_tokens_);
+  return template_.render(prefix, add_generation_prompt, "chat");
 }
 
 void SftEncoder::truncate(SftSample& s) const {

@@ -48,6 +48,7 @@
 #include "replica/train/run_config.h"
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/lora.h"
+#include "replica/text/chat_template.h"
 #include "replica/text/tokenizer.h"
 #include "replica/train/workload.h"
 
@@ -59,10 +60,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-namespace replica::text {
-class ChatTemplate;
-}
 
 namespace replica::train {
 
@@ -120,10 +117,7 @@ class SftEncoder {
 
   text::Tokenizer tokenizer_;
   SftEncoderOptions options_;
-  std::string model_dir_;
-  mutable bool template_loaded_ = false;
-  mutable std::shared_ptr<const text::ChatTemplate> template_;
-  nlohmann::ordered_json special_tokens_;
+  text::ModelChatTemplate template_;
 };
 
 // First-fit packing: each sample (by length, in order) goes into the first row with room

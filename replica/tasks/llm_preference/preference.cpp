@@ -47,34 +47,13 @@ std::string common_prefix(const std::string& a, const std::string& b) {
 }  // namespace
 
 PreferenceEncoder::PreferenceEncoder(const std::string& model_dir, PreferenceOptions options)
-    : tokenizer_(text::Tokenizer::from_dir(model_dir)), options_(std::move(options)), model_dir_(model_dir) {
-  special_tokens_ = text::chat_special_tokens(model_dir);
-}
+    : tokenizer_(text::Tokenizer::from_dir(model_dir)),
+      options_(std::move(options)),
+      template_(options_.chat_template, model_dir) {}
 
 PreferenceEncoder::PreferenceEncoder(text::Tokenizer tokenizer, std::string template_source,
                                      ordered_json special_tokens, PreferenceOptions options)
-    : tokenizer_(std::move(tokenizer)), options_(std::move(options)), special_tokens_(std::move(special_tokens)) {
-  template_loaded_ = true;
-  if (!template_source.empty()) template_ = std::make_shared<const text::ChatTemplate>(template_source);
-}
-
-const text::ChatTemplate& PreferenceEncoder::chat_template(const std::string& where) const {
-  if (!template_loaded_) {
-    const text::ChatTemplateSource source = text::chat_template_source(options_.chat_template, model_dir_);
-    if (!source.text.empty()) template_ = std::make_shared<const text::ChatTemplate>(source);
-    template_loaded_ = true;
-  }
-  if (!template_) {
-    fail("{}: a chat (list of messages) needs a chat template, but chat_template is none "
-         "(use tokenizer, chatml or llama3)",
-         where);
-  }
-  return *template_;
-}
-
-std::string PreferenceEncoder::render(const json& messages, bool add_generation_prompt) const {
-  return template_->render(ordered_json(messages), add_generation_prompt, special_tokens_);
-}
+    : tokenizer_(std::move(tokenizer)), options_(std::move(options)), template_(template_source, std::move(special_tokens)) {}
 
 PreferenceEncoder::Texts PreferenceEncoder::texts(const json& record, const std::string& where) const {
   if (!record.is_object()) fail("{}: a record must be an object", where);
@@ -133,7 +112,7 @@ PreferenceEncoder::Texts PreferenceEncoder::texts(const json& record, const std:
     chosen_turns = json(std::vector<json>(chosen.begin() + static_cast<std::ptrdiff_t>(n), chosen.end()));
     rejected_turns = json(std::vector<json>(rejected.begin() + static_cast<std::ptrdiff_t>(n), rejected.end()));
   }
-  chat_template(where);
+  template_.get(where);
   // TRL's maybe_apply_chat_template: the prompt with the generation prompt (continuing a final
   // assistant message instead is not supported), each completion the text of prompt +
   // completion after the part it shares with the prompt.
@@ -143,14 +122,14 @@ PreferenceEncoder::Texts PreferenceEncoder::texts(const json& record, const std:
          "supported",
          where);
   }
-  std::string prompt_text = render(prompt, /*add_generation_prompt=*/true);
+  std::string prompt_text = template_.render(ordered_json(prompt), /*add_generation_prompt=*/true, where);
   json with_chosen = prompt, with_rejected = prompt;
   for (const auto& t : chosen_turns) with_chosen.push_back(t);
   for (const auto& t : rejected_turns) with_rejected.push_back(t);
-  const std::string prompt_chosen = render(with_chosen, false);
+  const std::string prompt_chosen = template_.render(ordered_json(with_chosen), false, where);
   prompt_text = common_prefix(prompt_text, prompt_chosen);
   const std::string chosen_text = prompt_chosen.substr(prompt_text.size());
-  const std::string prompt_rejected = render(with_rejected, false);
+  const std::string prompt_rejected = template_.render(ordered_json(with_rejected), false, where);
   prompt_text = common_prefix(prompt_text, prompt_rejected);
   const std::string rejected_text = prompt_rejected.substr(prompt_text.size());
   return {prompt_text, chosen_text, rejected_text, prompt_chosen, prompt_rejected};
@@ -318,6 +297,17 @@ SequenceLogps completion_logps(const torch::Tensor& logits, const SequenceBatch&
 
 namespace {
 torch::Tensor mean_of(const torch::Tensor& t) { return t.detach().to(torch::kFloat32).mean(); }
+
+// TRL's rewards/* and logps/* (DPO's and ORPO's alike, from their own rewards and log-probs).
+void reward_metrics(PreferenceLoss& out, const torch::Tensor& chosen_rewards, const torch::Tensor& rejected_rewards,
+                    const torch::Tensor& chosen_logps, const torch::Tensor& rejected_logps) {
+  out.metrics["rewards/chosen"] = mean_of(chosen_rewards);
+  out.metrics["rewards/rejected"] = mean_of(rejected_rewards);
+  out.metrics["rewards/accuracies"] = mean_of(chosen_rewards.gt(rejected_rewards));
+  out.metrics["rewards/margins"] = mean_of(chosen_rewards - rejected_rewards);
+  out.metrics["logps/chosen"] = mean_of(chosen_logps);
+  out.metrics["logps/rejected"] = mean_of(rejected_logps);
+}
 }  // namespace
 
 PreferenceLoss dpo_loss(const torch::Tensor& policy_chosen, const torch::Tensor& policy_rejected,
@@ -325,14 +315,8 @@ PreferenceLoss dpo_loss(const torch::Tensor& policy_chosen, const torch::Tensor&
   auto logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected);
   PreferenceLoss out;
   out.loss = -torch::log_sigmoid(beta * logits).mean();
-  auto chosen_rewards = beta * (policy_chosen - ref_chosen).detach();
-  auto rejected_rewards = beta * (policy_rejected - ref_rejected).detach();
-  out.metrics["rewards/chosen"] = mean_of(chosen_rewards);
-  out.metrics["rewards/rejected"] = mean_of(rejected_rewards);
-  out.metrics["rewards/accuracies"] = mean_of(chosen_rewards.gt(rejected_rewards));
-  out.metrics["rewards/margins"] = mean_of(chosen_rewards - rejected_rewards);
-  out.metrics["logps/chosen"] = mean_of(policy_chosen);
-  out.metrics["logps/rejected"] = mean_of(policy_rejected);
+  reward_metrics(out, beta * (policy_chosen - ref_chosen).detach(), beta * (policy_rejected - ref_rejected).detach(),
+                 policy_chosen, policy_rejected);
   return out;
 }
 
@@ -344,14 +328,8 @@ PreferenceLoss orpo_loss(const torch::Tensor& chosen_mean_logps, const torch::Te
   auto ratio = torch::log_sigmoid(log_odds);
   PreferenceLoss out;
   out.loss = chosen_nll - beta * ratio.mean();
-  auto chosen_rewards = beta * chosen_mean_logps.detach();
-  auto rejected_rewards = beta * rejected_mean_logps.detach();
-  out.metrics["rewards/chosen"] = mean_of(chosen_rewards);
-  out.metrics["rewards/rejected"] = mean_of(rejected_rewards);
-  out.metrics["rewards/accuracies"] = mean_of(chosen_rewards.gt(rejected_rewards));
-  out.metrics["rewards/margins"] = mean_of(chosen_rewards - rejected_rewards);
-  out.metrics["logps/chosen"] = mean_of(chosen_mean_logps);
-  out.metrics["logps/rejected"] = mean_of(rejected_mean_logps);
+  reward_metrics(out, beta * chosen_mean_logps.detach(), beta * rejected_mean_logps.detach(), chosen_mean_logps,
+                 rejected_mean_logps);
   out.metrics["nll_loss"] = mean_of(chosen_nll);
   out.metrics["log_odds_ratio"] = mean_of(ratio);
   out.metrics["log_odds_chosen"] = mean_of(log_odds);

@@ -30,6 +30,7 @@
 //           than max_length is dropped. Scored at the last token that is not the pad id.
 #pragma once
 
+#include "replica/text/chat_template.h"
 #include "replica/text/tokenizer.h"
 
 #include <nlohmann/json.hpp>
@@ -40,10 +41,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-
-namespace replica::text {
-class ChatTemplate;
-}
 
 namespace replica::tasks {
 
@@ -90,15 +87,9 @@ class PreferenceEncoder {
   const PreferenceOptions& options() const { return options_; }
 
  private:
-  const text::ChatTemplate& chat_template(const std::string& where) const;
-  std::string render(const nlohmann::json& messages, bool add_generation_prompt) const;
-
   text::Tokenizer tokenizer_;
   PreferenceOptions options_;
-  std::string model_dir_;
-  mutable bool template_loaded_ = false;
-  mutable std::shared_ptr<const text::ChatTemplate> template_;
-  nlohmann::ordered_json special_tokens_;
+  text::ModelChatTemplate template_;
 };
 
 // A batch of sequences, right-padded: ids [N, T] (pad_id beyond each sequence), completion
