@@ -13,7 +13,7 @@
 #include "replica/text/chat_template.h"
 #include "replica/text/tokenizer.h"
 #include "replica/train/deepspeed_config.h"
-#include "replica/train/llm_sft.h"
+#include "replica/tasks/llm_sft/llm_sft.h"
 #include "replica/train/trainer.h"
 
 #include <fmt/format.h>

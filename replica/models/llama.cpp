@@ -878,7 +878,7 @@ TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const t
                                          const torch::Tensor& segment_ids, int64_t chunk_tokens) {
   const bool plain_head = !config_.final_logit_softcapping && (lm_head.is_empty() || !lm_head->has_lora());
   // transformers' load-balancing loss counts the tokens of its attention mask: not the pads
-  // (segment -1, train/llm_sft.h).
+  // (segment -1, tasks/llm_sft/llm_sft.h).
   auto with_aux = [&](TokenLoss parts) {
     parts.aux = router_aux_loss(segment_ids.defined() ? segment_ids.ge(0) : torch::Tensor());
     return parts;

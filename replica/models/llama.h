@@ -332,7 +332,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
   //   when segment_ids are given).
   // segment_ids [B, T] (optional): packed samples; a token attends only to earlier tokens
   //   of the same segment (block-diagonal causal mask). Segments must be contiguous runs.
-  //   Padding, on either side of a row, is a segment of its own (train/llm_sft.h gives it
+  //   Padding, on either side of a row, is a segment of its own (tasks/llm_sft/llm_sft.h gives it
   //   -1): no sample's token attends to it, each pad attends to pads (never to nothing), and
   //   positions restart at 0 at the first token after left padding, as transformers'
   //   position_ids from the attention mask do. Sliding-window layers also keep each token to

@@ -1,7 +1,7 @@
 // The task registry: every task of replica, one line each (train/task.h declares the table;
 // the trainer, the config reader and the command line find tasks only through it).
 #include "replica/tasks/llm_preference/preference_workload.h"
-#include "replica/train/llm_sft.h"
+#include "replica/tasks/llm_sft/llm_sft.h"
 #include "replica/train/task.h"
 
 namespace replica::train {

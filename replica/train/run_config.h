@@ -3,7 +3,7 @@
 //
 // Every `params:` key is registered once, in a key table (train/keys.h): the run-control and
 // training-loop keys every task has (run_config.cpp), and each task's own keys beside its
-// workload (llm_sft.cpp, image_classification.cpp, two_tower.cpp; the registry is
+// workload (replica/tasks/<task>/; the registry is replica/tasks/registry.cpp, declared in
 // train/task.h). From those tables come the YAML reader with FILE:LINE errors and "did you
 // mean", config.yaml and training_params.json with real types, the flags of `replica llm`
 // and `replica --config`, `--help`, validation of a config built in code, and equality. The

@@ -1,7 +1,8 @@
 // The task registry: each task (llm-sft, image-classification, two-tower) registers, beside
 // its workload, its own `params:` keys, its defaults, the checks that need no worker, and the
 // factory of its workload. The trainer, the config reader and the command line know tasks only
-// through this table, so a new task is one file and one line in task.cpp.
+// through this table, so a new task is one folder under replica/tasks/ and one line in
+// replica/tasks/registry.cpp (the llm trainers dpo, orpo and reward: tasks/llm_preference/).
 #pragma once
 
 #include "replica/train/keys.h"

@@ -11,7 +11,7 @@
 #include "replica/models/llama.h"
 #include "replica/models/lora.h"
 #include "replica/tasks/llm_preference/preference.h"
-#include "replica/train/llm_sft.h"
+#include "replica/tasks/llm_sft/llm_sft.h"
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>

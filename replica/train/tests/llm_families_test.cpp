@@ -6,7 +6,7 @@
 // tokenizer and ChatML template, Gemma 3 the Gemma-style tokenizer and Gemma 3 chat template
 // of replica/text/tests/gemma_tokenizer/. The numbers against transformers and PEFT are in
 // replica/models/tests/families_conformance_test.cpp.
-#include "replica/train/llm_sft.h"
+#include "replica/tasks/llm_sft/llm_sft.h"
 #include "replica/testing/paths.h"
 
 #include "replica/models/hf_model_dir.h"

@@ -20,7 +20,7 @@
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"
 #include "replica/models/lora.h"
-#include "replica/train/llm_sft.h"
+#include "replica/tasks/llm_sft/llm_sft.h"
 #include "replica/testing/program_runner.h"
 
 #include <gtest/gtest.h>

@@ -7,7 +7,7 @@
 #include "replica/models/llama.h"
 #include "replica/models/lora.h"
 #include "replica/testing/program_runner.h"
-#include "replica/train/llm_sft.h"
+#include "replica/tasks/llm_sft/llm_sft.h"
 #include "replica/train/tests/tensor_files.h"
 
 #include <gtest/gtest.h>

@@ -5,7 +5,7 @@
 
 #include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
-#include "replica/train/llm_sft.h"
+#include "replica/tasks/llm_sft/llm_sft.h"
 #include "replica/train/tests/tensor_files.h"
 
 #include <nlohmann/json.hpp>

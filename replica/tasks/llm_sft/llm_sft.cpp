@@ -1,0 +1,867 @@
+// LLM supervised fine-tuning: records -> samples -> packed rows -> the Llama model, with or
+// without LoRA (see llm_sft.h).
+#include "replica/tasks/llm_sft/llm_sft.h"
+
+#include "replica/core/error.h"
+#include "replica/core/files.h"
+#include "replica/data/records.h"
+#include "replica/io/files.h"
+#include "replica/models/hf_model_dir.h"
+#include "replica/models/llama.h"
+#include "replica/text/chat_template.h"
+#include "replica/train/task.h"
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <utility>
+
+namespace fs = std::filesystem;
+
+namespace replica::train {
+namespace {
+
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+
+std::string column(const std::map<std::string, std::string>& mapping, const std::string& key,
+                   const std::string& fallback) {
+  auto it = mapping.find(key);
+  return it == mapping.end() ? fallback : it->second;
+}
+
+std::string keys_of(const json& record) {
+  std::string out;
+  for (const auto& item : record.items()) out += (out.empty() ? "" : ", ") + item.key();
+  return out.empty() ? "none" : out;
+}
+
+const json& string_field(const json& record, const std::string& name, const std::string& where) {
+  auto it = record.find(name);
+  if (it == record.end()) fail("{}: column '{}' is missing (columns: {})", where, name, keys_of(record));
+  if (!it->is_string()) fail("{}: column '{}' must be text, got {}", where, name, it->type_name());
+  return *it;
+}
+
+void append(SftSample& s, const std::vector<int32_t>& ids, bool trained) {
+  s.ids.insert(s.ids.end(), ids.begin(), ids.end());
+  for (int32_t id : ids) s.labels.push_back(trained ? id : kIgnoreLabel);
+}
+
+// A JSON list of {role, content} objects, or a replica::Error naming what is wrong.
+void check_messages(const json& messages, const std::string& where) {
+  if (!messages.is_array()) fail("{}: a chat must be a list of messages, got {}", where, messages.type_name());
+  if (messages.empty()) fail("{}: the chat has no messages", where);
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& m = messages[i];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+      fail("{}: message {} must be an object with a \"role\" string, got {}", where, i, m.dump());
+    }
+    if (!m.contains("content")) fail("{}: message {} has no \"content\"", where, i);
+  }
+}
+
+// PEFT's names, and the short forms q, k, v, o, gate, up, down.
+std::vector<std::string> peft_target_names(const std::vector<std::string>& names) {
+  static const std::map<std::string, std::string> kShort = {{"q", "q_proj"},       {"k", "k_proj"},
+                                                            {"v", "v_proj"},       {"o", "o_proj"},
+                                                            {"gate", "gate_proj"}, {"up", "up_proj"},
+                                                            {"down", "down_proj"}};
+  std::vector<std::string> out;
+  for (const auto& name : names) {
+    auto it = kShort.find(name);
+    out.push_back(it == kShort.end() ? name : it->second);
+  }
+  return out;
+}
+
+// Files of a model directory that a tokenizer consists of (carried into final/).
+bool is_tokenizer_file(const std::string& name) {
+  return name.rfind("tokenizer", 0) == 0 || name == "special_tokens_map.json" || name == "added_tokens.json" ||
+         name == "vocab.json" || name == "merges.txt" || name == "chat_template.jinja" ||
+         name == "chat_template.json";
+}
+
+}  // namespace
+
+void copy_tokenizer_files(const std::string& from, const std::string& to) {
+  for (const auto& entry : fs::directory_iterator(from)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_regular_file() || !is_tokenizer_file(name)) continue;
+    copy_file_atomically(entry.path().string(), (fs::path(to) / name).string());
+  }
+}
+
+namespace {
+
+std::string records_where(const std::string& file, size_t index) {
+  return fmt::format("{} record {}", file, index + 1);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Samples
+
+int64_t SftSample::predicted() const {
+  int64_t n = 0;
+  for (size_t t = 1; t < labels.size(); ++t) n += labels[t] != kIgnoreLabel;
+  return n;
+}
+
+std::vector<uint8_t> SftSample::loss_mask() const {
+  std::vector<uint8_t> mask(labels.size());
+  for (size_t t = 0; t < labels.size(); ++t) mask[t] = labels[t] != kIgnoreLabel;
+  return mask;
+}
+
+SftEncoder::SftEncoder(const std::string& model_dir, SftEncoderOptions options)
+    : tokenizer_(text::Tokenizer::from_dir(model_dir)),
+      options_(std::move(options)),
+      template_(options_.chat_template, model_dir) {}
+
+SftEncoder::SftEncoder(text::Tokenizer tokenizer, std::string template_source, ordered_json special_tokens,
+                       SftEncoderOptions options)
+    : tokenizer_(std::move(tokenizer)), options_(std::move(options)), template_(template_source, std::move(special_tokens)) {}
+
+const text::ChatTemplate& SftEncoder::chat_template(const std::string& where) const { return template_.get(where); }
+
+std::string SftEncoder::render(const json& messages, size_t count, bool add_generation_prompt) const {
+  ordered_json prefix = ordered_json::array();
+  for (size_t i = 0; i < count; ++i) prefix.push_back(ordered_json(messages[i]));
+  return template_.render(prefix, add_generation_prompt, "chat");
+}
+
+void SftEncoder::truncate(SftSample& s) const {
+  if (options_.max_length > 0 && static_cast<int64_t>(s.ids.size()) > options_.max_length) {
+    s.ids.resize(static_cast<size_t>(options_.max_length));
+    s.labels.resize(static_cast<size_t>(options_.max_length));
+  }
+}
+
+SftSample SftEncoder::encode_text(const std::string& text) const {
+  SftSample s;
+  auto ids = tokenizer_.encode(text, /*add_special_tokens=*/true);
+  const auto eos = tokenizer_.eos_id();
+  if (options_.add_eos_token && eos && (ids.empty() || ids.back() != *eos)) ids.push_back(*eos);
+  append(s, ids, true);
+  truncate(s);
+  return s;
+}
+
+SftSample SftEncoder::encode_prompt_completion(const std::string& prompt, const std::string& completion) const {
+  SftSample s;
+  auto prompt_ids = tokenizer_.encode(prompt, /*add_special_tokens=*/true);
+  const auto eos = tokenizer_.eos_id();
+  // A post-processor that appends EOS puts it after the completion, not between the two.
+  if (eos && !prompt_ids.empty() && prompt_ids.back() == *eos) prompt_ids.pop_back();
+  auto completion_ids = tokenizer_.encode(completion, /*add_special_tokens=*/false);
+  if (options_.add_eos_token && eos && (completion_ids.empty() || completion_ids.back() != *eos)) {
+    completion_ids.push_back(*eos);
+  }
+  append(s, prompt_ids, false);
+  append(s, completion_ids, true);
+  truncate(s);
+  return s;
+}
+
+std::vector<std::pair<std::string, bool>> SftEncoder::chat_segments(const json& messages, size_t first_trained,
+                                                                     const std::string& where) const {
+  check_messages(messages, where);
+  chat_template(where);
+  const size_t n = messages.size();
+  const std::string full = render(messages, n, false);
+
+  // Cuts the whole rendering at each trained assistant turn: the text before it (rendered with
+  // the generation prompt) and the text through it must both start the whole chat's text.
+  // Returns the segments, or why a turn could not be found.
+  auto cut = [&](size_t first) -> std::pair<std::vector<std::pair<std::string, bool>>, std::string> {
+    std::vector<std::pair<std::string, bool>> segments;
+    size_t pos = 0;
+    for (size_t i = first; i < n; ++i) {
+      if (messages[i]["role"] != "assistant") continue;
+      auto broken = [&](const std::string& what) {
+        return std::make_pair(std::vector<std::pair<std::string, bool>>{},
+                              fmt::format("cannot find assistant message {} in the rendered chat: {}", i, what));
+      };
+      if (i == 0) return broken("the chat starts with it, so no prompt renders before it");
+      const std::string before = render(messages, i, /*add_generation_prompt=*/true);
+      const std::string through = render(messages, i + 1, /*add_generation_prompt=*/false);
+      if (through.compare(0, before.size(), before) != 0 || before.size() > through.size()) {
+        return broken("the text up to it, with the generation prompt, does not start the text that includes it");
+      }
+      if (full.compare(0, through.size(), through) != 0) {
+        return broken("the text through it does not start the text of the whole chat");
+      }
+      if (before.size() < pos) return broken("it overlaps the previous assistant message");
+      if (before.size() > pos) segments.emplace_back(full.substr(pos, before.size() - pos), false);
+      if (through.size() > before.size()) {
+        segments.emplace_back(full.substr(before.size(), through.size() - before.size()), true);
+      }
+      pos = through.size();
+    }
+    if (pos < full.size()) segments.emplace_back(full.substr(pos), false);
+    return {std::move(segments), ""};
+  };
+
+  auto [segments, error] = cut(first_trained);
+  if (error.empty()) return segments;
+  // Some templates render a turn differently once a later user message follows it: Qwen3
+  // drops the <think> block of every assistant turn before the last user query, as its
+  // authors ask for multi-turn chats. Those earlier turns are then context, as the model
+  // sees them at inference, and the turns after the last user message are trained.
+  size_t last_user = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (messages[i]["role"] == "user") last_user = i;
+  }
+  if (last_user + 1 > first_trained) {
+    auto [answer_segments, answer_error] = cut(last_user + 1);
+    if (answer_error.empty()) {
+      static std::once_flag warned;
+      // A structured binding cannot be captured in C++17 (clang refuses it): the lambda takes a copy.
+      std::call_once(warned, [&, error = error] {
+        spdlog::warn("{}: the chat template renders earlier assistant turns differently once a later user "
+                     "message follows (as Qwen3's drops their reasoning), so only the assistant turns after "
+                     "the last user message are trained; earlier ones are context ({})",
+                     where, error);
+      });
+      return answer_segments;
+    }
+  }
+  fail("{}: {} (the chat template must render a conversation's prefixes as prefixes of its text; try "
+       "chat_template chatml)",
+       where, error);
+}
+
+SftSample SftEncoder::encode_chat(const json& messages, size_t first_trained, const std::string& where) const {
+  SftSample s;
+  // The template writes BOS itself (when the model has one): no special tokens added here.
+  for (const auto& [text, trained] : chat_segments(messages, first_trained, where)) {
+    append(s, tokenizer_.encode(text, /*add_special_tokens=*/false), trained);
+  }
+  truncate(s);
+  return s;
+}
+
+SftSample SftEncoder::encode(const json& record, const std::string& where) const {
+  if (!record.is_object()) fail("{}: a record must be an object", where);
+  const auto& m = options_.column_mapping;
+  auto prompt_completion = [&](const std::string& pc, const std::string& cc) {
+    auto pit = record.find(pc);
+    auto cit = record.find(cc);
+    if (pit == record.end() || cit == record.end()) {
+      fail("{}: columns '{}' and '{}' are needed (columns: {})", where, pc, cc, keys_of(record));
+    }
+    if (pit->is_array() || cit->is_array()) {
+      // Conversational prompt + completion: one chat whose completion turns are trained.
+      if (!pit->is_array() || !cit->is_array()) {
+        fail("{}: '{}' and '{}' must both be text or both be lists of messages", where, pc, cc);
+      }
+      json messages = *pit;
+      for (const auto& msg : *cit) messages.push_back(msg);
+      return encode_chat(messages, pit->size(), where);
+    }
+    return encode_prompt_completion(string_field(record, pc, where).get<std::string>(),
+                                    string_field(record, cc, where).get<std::string>());
+  };
+  if (m.count("messages_column")) {
+    const std::string mc = m.at("messages_column");
+    auto it = record.find(mc);
+    if (it == record.end()) fail("{}: column '{}' is missing (columns: {})", where, mc, keys_of(record));
+    return encode_chat(*it, 0, where);
+  }
+  if (m.count("prompt_column") || m.count("completion_column")) {
+    return prompt_completion(column(m, "prompt_column", "prompt"), column(m, "completion_column", "completion"));
+  }
+  const std::string tc = column(m, "text_column", "text");
+  if (auto it = record.find(tc); it != record.end()) {
+    if (it->is_array()) return encode_chat(*it, 0, where);  // AutoTrain: the text column holds the chat
+    if (!it->is_string()) fail("{}: column '{}' must be text or a list of messages, got {}", where, tc, it->type_name());
+    return encode_text(it->get<std::string>());
+  }
+  if (auto it = record.find("messages"); it != record.end()) return encode_chat(*it, 0, where);
+  if (record.contains("prompt") && record.contains("completion")) return prompt_completion("prompt", "completion");
+  fail("{}: no text to train on: none of the columns '{}' (text), 'messages', or 'prompt' + 'completion' "
+       "(columns: {}; set data.column_mapping)",
+       where, tc, keys_of(record));
+}
+
+// ---------------------------------------------------------------------------------------
+// Packing
+
+std::vector<std::vector<int64_t>> pack_first_fit(const std::vector<int64_t>& lengths, int64_t block_size) {
+  if (block_size < 1) fail("pack_first_fit: block_size must be >= 1, got {}", block_size);
+  const size_t n = lengths.size();
+  if (n == 0) return {};
+  // A max-tree over the room left in each possible row (there are at most n); unused rows
+  // have all the room and lie after the used ones, so "the leftmost row with room" is
+  // first-fit, in O(log n) per sample.
+  size_t size = 1;
+  while (size < n) size <<= 1;
+  std::vector<int64_t> tree(2 * size, 0);
+  for (size_t i = 0; i < n; ++i) tree[size + i] = block_size;
+  for (size_t i = size - 1; i >= 1; --i) tree[i] = std::max(tree[2 * i], tree[2 * i + 1]);
+  std::vector<std::vector<int64_t>> rows;
+  for (size_t s = 0; s < n; ++s) {
+    const int64_t len = lengths[s];
+    if (len < 1 || len > block_size) {
+      fail("pack_first_fit: sample {} has {} tokens, outside [1, {}]", s, len, block_size);
+    }
+    size_t node = 1;
+    while (node < size) node = tree[2 * node] >= len ? 2 * node : 2 * node + 1;
+    const size_t row = node - size;
+    if (row >= rows.size()) rows.resize(row + 1);
+    rows[row].push_back(static_cast<int64_t>(s));
+    tree[node] -= len;
+    for (node >>= 1; node >= 1; node >>= 1) tree[node] = std::max(tree[2 * node], tree[2 * node + 1]);
+  }
+  return rows;
+}
+
+std::vector<std::vector<int64_t>> one_sample_per_row(int64_t samples) {
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(samples));
+  for (int64_t s = 0; s < samples; ++s) rows[static_cast<size_t>(s)] = {s};
+  return rows;
+}
+
+PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::vector<std::vector<int64_t>>& rows,
+                              const std::vector<int64_t>& row_indices, int32_t pad_id, bool pad_left) {
+  const int64_t B = static_cast<int64_t>(row_indices.size());
+  int64_t T = 1;
+  std::vector<int64_t> lengths;
+  for (int64_t r : row_indices) {
+    int64_t len = 0;
+    for (int64_t s : rows.at(static_cast<size_t>(r))) len += static_cast<int64_t>(samples[static_cast<size_t>(s)].ids.size());
+    lengths.push_back(len);
+    T = std::max(T, len);
+  }
+  PackedBatch b;
+  b.input_ids = torch::full({B, T}, static_cast<int64_t>(pad_id), torch::kInt64);
+  b.labels = torch::full({B, T}, static_cast<int64_t>(kIgnoreLabel), torch::kInt64);
+  b.segment_ids = torch::full({B, T}, int64_t{-1}, torch::kInt64);
+  auto ids = b.input_ids.accessor<int64_t, 2>();
+  auto labels = b.labels.accessor<int64_t, 2>();
+  auto segments = b.segment_ids.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < B; ++i) {
+    int64_t t = pad_left ? T - lengths[static_cast<size_t>(i)] : 0, segment = 0;
+    for (int64_t s : rows.at(static_cast<size_t>(row_indices[static_cast<size_t>(i)]))) {
+      const SftSample& sample = samples[static_cast<size_t>(s)];
+      for (size_t k = 0; k < sample.ids.size(); ++k, ++t) {
+        ids[i][t] = sample.ids[k];
+        labels[i][t] = sample.labels[k];
+        segments[i][t] = segment;
+      }
+      ++segment;
+    }
+  }
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------
+// Settings and checks
+
+LlmSftSettings llm_sft_settings(const RunConfig& config) {
+  const LlmParams& p = config.llm;
+  LlmSftSettings s;
+  s.peft = p.peft;
+  s.lora.r = p.lora_r;
+  s.lora.lora_alpha = static_cast<double>(p.lora_alpha);
+  s.lora.lora_dropout = p.lora_dropout;
+  s.lora.target_modules = p.target_modules == std::vector<std::string>{"all-linear"}
+                              ? p.target_modules
+                              : peft_target_names(p.target_modules);
+  s.lora.base_model_name_or_path = config.base_model;
+  s.model_max_length = p.model_max_length;
+  s.block_size = p.block_size == -1 ? p.model_max_length : p.block_size;
+  s.packing = p.packing;
+  s.pad_left = p.padding == "left";
+  s.merge_adapter = p.merge_adapter;
+  s.add_eos_token = p.add_eos_token;
+  return s;
+}
+
+// params.quantization and params.quantize_embeddings as the loader takes them.
+models::QuantOptions quant_options_of(const RunConfig& config) {
+  auto options = models::quant_options(config.llm.quantization, "params.quantization");
+  options.embeddings = config.llm.quantize_embeddings;
+  return options;
+}
+
+void check_llm_sft_config(const RunConfig& config) {
+  const LlmSftSettings s = llm_sft_settings(config);
+  if (config.llm.quantize_embeddings && !quant_options_of(config).enabled()) {
+    fail("quantize_embeddings: true needs quantization int4 or int8 (it holds the embeddings and lm_head in that "
+         "format); quantization is {}",
+         config.llm.quantization);
+  }
+  if (quant_options_of(config).enabled()) {
+    // QLoRA: the quantized base is frozen, only adapters over it train (models/quant.h).
+    if (!config.llm.peft) {
+      fail("quantization {} needs peft: true: a quantized base is frozen and only LoRA adapters train over it "
+           "(QLoRA); full fine-tuning of quantized weights is not supported (set peft: true, or quantization: "
+           "none to fine-tune every weight)",
+           config.llm.quantization);
+    }
+    if (zero_stage_of(config.params) == 3) {
+      // ZeRO-3 shards and gathers parameters; the quantized weights are codes beside the
+      // parameters, which it would neither shard nor gather (DeepSpeed needs special handling
+      // for bitsandbytes' weights too). Stages 0-2 shard only gradients and optimizer state:
+      // the adapters', which they handle as any parameters.
+      fail("quantization {} with distributed_backend zero3 (ZeRO stage 3) is not supported: ZeRO-3 shards "
+           "parameters and a quantized base is held as codes that are not parameters; use distributed_backend "
+           "ddp (zero_stage 0-2; each worker holds the whole base, about a quarter of its fp16 bytes with int4) "
+           "or quantization none",
+           config.llm.quantization);
+    }
+  }
+  if (!config.llm.init_adapter.empty()) {
+    if (!config.llm.peft) fail("params.init_adapter '{}' needs peft: true (it holds LoRA adapters)", config.llm.init_adapter);
+    if (!fs::is_directory(config.llm.init_adapter)) {
+      fail("params.init_adapter '{}' is not an adapter directory", config.llm.init_adapter);
+    }
+    const auto adapter = models::read_adapter_config(config.llm.init_adapter);
+    const bool reward = config.llm.trainer == "reward";
+    if ((adapter.task_type == "SEQ_CLS") != reward) {
+      fail("params.init_adapter '{}' is a {} adapter; trainer {} needs a {} one", config.llm.init_adapter,
+           adapter.task_type, config.llm.trainer, reward ? "SEQ_CLS (reward model)" : "CAUSAL_LM");
+    }
+  }
+  if (config.llm.unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
+  const fs::path model(config.base_model);
+  if (!fs::is_directory(model)) fail("base_model '{}' is not a model directory", config.base_model);
+  if (!fs::exists(model / "config.json")) fail("base_model '{}' has no config.json", config.base_model);
+  if (!fs::exists(model / "tokenizer.json") && !fs::exists(model / "tokenizer.model")) {
+    fail("base_model '{}' has no tokenizer (tokenizer.json or tokenizer.model)", config.base_model);
+  }
+  models::read_hf_config(config.base_model);  // an unsupported architecture is an error here
+  const std::string file = data::resolve_records_file(config.data.path, config.data.train_split);
+  if (!fs::exists(file)) fail("data: training file '{}' does not exist", file);
+  if (config.data.valid_split) {
+    const std::string valid = data::resolve_records_file(config.data.path, *config.data.valid_split);
+    if (!fs::exists(valid)) fail("data: validation file '{}' does not exist", valid);
+  }
+  if (s.model_max_length < 2) fail("params.model_max_length must be at least 2, got {}", s.model_max_length);
+  if (s.block_size < 2) fail("params.block_size must be at least 2 (or -1), got {}", s.block_size);
+}
+
+models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const WorkloadContext& context,
+                                               const std::string& tag, models::LoraConfig* lora,
+                                               models::HfExtraTensors* extra) {
+  const LlmSftSettings settings = llm_sft_settings(config);
+  models::LlamaForCausalLM model{nullptr};
+  const bool main = context.is_main();
+  const bool bf16 = config.params.mixed_precision == Precision::Bf16;
+  // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
+  // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
+  const auto dtype = settings.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
+  // quantization: every decoder linear quantized as it is read (QLoRA's load_in_4bit/8bit).
+  const auto quant = quant_options_of(config);
+  model = models::load_hf_model(config.base_model, dtype, quant, extra);
+  if (main) spdlog::info("{}: model {}", tag, models::describe_model(model->config()));
+  if (quant.enabled() && main) {
+    constexpr double kMiB = 1024.0 * 1024.0;
+    const auto m = models::base_memory(*model);
+    spdlog::info("{}: base quantized to {}: {} weights ({}) in {:.2f} MiB ({:.3f}x fp16), the whole "
+                 "base {:.2f} MiB ({:.3f}x fp16; {} in {})",
+                 tag, models::describe(quant), m.quantized_layers,
+                 quant.embeddings ? "decoder linears, embeddings, head" : "decoder linears", m.quantized_bytes / kMiB,
+                 static_cast<double>(m.quantized_bytes) / static_cast<double>(m.quantized_fp16_bytes),
+                 m.bytes / kMiB, static_cast<double>(m.bytes) / static_cast<double>(m.fp16_bytes),
+                 quant.embeddings ? "norms" : "embeddings, head and norms", models::dtype_to_string(dtype));
+  }
+  if (config.llm.router_aux_loss_coef >= 0) {
+    try {
+      model->set_router_aux_loss(config.llm.router_aux_loss_coef);
+    } catch (const Error& e) {
+      fail("params.router_aux_loss_coef: {} ({})", e.what(), config.base_model);
+    }
+  }
+  if (main && model->config().output_router_logits) {
+    spdlog::info("{}: the router's load-balancing loss x {} added to the training loss", tag,
+                 model->config().router_aux_loss_coef);
+  }
+  // AutoTrain's default: every decoder layer recomputed in backward (models/recompute.h).
+  model->model->set_gradient_checkpointing(!config.llm.disable_gradient_checkpointing);
+  if (settings.peft) {
+    std::vector<std::string> adapted;
+    if (!config.llm.init_adapter.empty()) {
+      // Continue an adapter: its own LoraConfig, its weights (a reward model's score head to
+      // `extra`, which the reward workload reads as it reads a checkpoint's head).
+      io::NamedTensors whole;
+      *lora = models::load_adapter(*model, config.llm.init_adapter, extra ? &whole : nullptr);
+      lora->base_model_name_or_path = config.base_model;
+      for (auto& [name, tensor] : whole) extra->taken[name] = tensor;
+      for (const auto& item : model->named_modules()) {
+        if (auto* l = dynamic_cast<models::LoraLinearImpl*>(item.value().get()); l && l->has_lora()) {
+          adapted.push_back(item.key());
+        }
+      }
+      if (main) spdlog::info("{}: LoRA adapters start from {}", tag, config.llm.init_adapter);
+    } else {
+      *lora = settings.lora;
+      adapted = models::apply_lora(*model, *lora);
+    }
+    if (main) {
+      // A quantized weight is not a parameter any more; it still counts in the model's size.
+      int64_t trainable = 0, total = models::base_memory(*model).quantized_fp16_bytes / 2;
+      for (const auto& p : model->parameters()) {
+        total += p.numel();
+        if (p.requires_grad()) trainable += p.numel();
+      }
+      spdlog::info("{}: LoRA r {} alpha {} dropout {} on {} modules ({}); {} trainable of {} parameters", tag,
+                   lora->r, lora->lora_alpha, lora->lora_dropout, adapted.size(),
+                   fmt::join(lora->target_modules, ","), trainable, total);
+    }
+  } else if (main) {
+    spdlog::info("{}: full fine-tuning of {} parameters", tag, [&] {
+      int64_t n = 0;
+      for (const auto& p : model->parameters()) n += p.numel();
+      return n;
+    }());
+  }
+  return model;
+}
+
+namespace {
+
+// Reads and encodes one split; samples with nothing to predict are dropped (counted).
+std::vector<SftSample> encode_split(const SftEncoder& encoder, const std::string& path, const std::string& split,
+                                    int64_t* dropped) {
+  const std::string file = data::resolve_records_file(path, split);
+  const auto records = data::read_records(path, split);
+  std::vector<SftSample> samples;
+  samples.reserve(records.size());
+  int64_t skipped = 0;
+  for (size_t i = 0; i < records.size(); ++i) {
+    SftSample s = encoder.encode(records[i], records_where(file, i));
+    if (s.predicted() == 0) {
+      ++skipped;
+      continue;
+    }
+    samples.push_back(std::move(s));
+  }
+  if (dropped) *dropped = skipped;
+  if (samples.empty()) fail("{}: no sample has a token to train on ({} records)", file, records.size());
+  return samples;
+}
+
+SftEncoderOptions encoder_options(const RunConfig& config, int64_t max_length) {
+  SftEncoderOptions o;
+  o.chat_template = config.data.chat_template;
+  o.column_mapping = config.data.column_mapping;
+  o.add_eos_token = llm_sft_settings(config).add_eos_token;
+  o.max_length = max_length;
+  return o;
+}
+
+class LlmSft final : public Workload {
+ public:
+  LlmSft(const RunConfig& config, const WorkloadContext& context)
+      : config_(config), context_(context), settings_(llm_sft_settings(config)) {
+    check_llm_sft_config(config);
+    const bool main = context.is_main();
+    model_ = load_llm_for_training(config, context, "llm-sft", &lora_);
+    // Training samples: truncated to the longest a row can hold, packed into rows (or one per
+    // row without packing).
+    const int64_t max_len = std::min(settings_.model_max_length, settings_.block_size);
+    SftEncoder encoder(config.base_model, encoder_options(config, max_len));
+    const auto& tok = encoder.tokenizer();
+    if (tok.vocab_size() > model_->config().vocab_size) {
+      fail("the tokenizer of '{}' has {} ids but the model's vocab_size is {}", config.base_model,
+           tok.vocab_size(), model_->config().vocab_size);
+    }
+    pad_id_ = tok.pad_id().value_or(tok.eos_id().value_or(0));
+    int64_t dropped = 0;
+    train_ = encode_split(encoder, config.data.path, config.data.train_split, &dropped);
+    std::vector<int64_t> lengths;
+    int64_t tokens = 0, trained = 0;
+    for (const auto& s : train_) {
+      lengths.push_back(static_cast<int64_t>(s.ids.size()));
+      tokens += lengths.back();
+      trained += s.predicted();
+    }
+    rows_ = settings_.packing ? pack_first_fit(lengths, settings_.block_size)
+                              : one_sample_per_row(static_cast<int64_t>(lengths.size()));
+    for (const auto& row : rows_) {
+      int64_t n = 0, items = 0;
+      for (int64_t s : row) {
+        n += static_cast<int64_t>(train_[static_cast<size_t>(s)].ids.size());
+        items += train_[static_cast<size_t>(s)].predicted();
+      }
+      row_tokens_.push_back(n);
+      row_items_.push_back(items);
+    }
+    if (main) {
+      const std::string skipped = dropped ? fmt::format("; {} samples without a trained token dropped", dropped) : "";
+      if (settings_.packing) {
+        spdlog::info("llm-sft: {} samples ({} tokens, {} trained) packed into {} rows of <= {} tokens ({:.1f}% full){}",
+                     train_.size(), tokens, trained, rows_.size(), settings_.block_size,
+                     100.0 * static_cast<double>(tokens) / (static_cast<double>(rows_.size()) * settings_.block_size),
+                     skipped);
+      } else {
+        spdlog::info("llm-sft: {} samples ({} tokens, {} trained), one per row (no packing), each of <= {} tokens, "
+                     "padded on the {} to the longest of its micro-batch{}",
+                     train_.size(), tokens, trained, max_len, settings_.pad_left ? "left" : "right", skipped);
+      }
+      if (settings_.block_size > model_->config().max_position_embeddings) {
+        spdlog::warn("llm-sft: block_size {} is longer than the model's max_position_embeddings {}",
+                     settings_.block_size, model_->config().max_position_embeddings);
+      }
+    }
+    if (config.data.valid_split) {
+      SftEncoder valid_encoder(config.base_model, encoder_options(config, settings_.model_max_length));
+      valid_ = encode_split(valid_encoder, config.data.path, *config.data.valid_split, nullptr);
+    }
+  }
+
+  std::shared_ptr<torch::nn::Module> model() override { return model_.ptr(); }
+  int64_t train_size() const override { return static_cast<int64_t>(rows_.size()); }
+  int64_t valid_size() const override { return static_cast<int64_t>(valid_.size()); }
+
+  int64_t loss_items(const std::vector<int64_t>& indices) const override {
+    int64_t n = 0;
+    for (int64_t r : indices) n += row_items_.at(static_cast<size_t>(r));
+    return n;
+  }
+  int64_t tokens_in(const std::vector<int64_t>& indices) const override {
+    int64_t n = 0;
+    for (int64_t r : indices) n += row_tokens_.at(static_cast<size_t>(r));
+    return n;
+  }
+
+  torch::Tensor train_loss_sum(const std::vector<int64_t>& indices) override {
+    const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_, settings_.pad_left));
+    // The head and its loss a chunk of tokens at a time: no [tokens, vocab] logits (llama.h).
+    models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids);
+    last_aux_ = parts.aux;
+    return parts.sum;
+  }
+  torch::Tensor train_aux_loss() override { return std::exchange(last_aux_, torch::Tensor()); }
+  torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
+    const PackedBatch b = on_device(make_packed_batch(train_, rows_, indices, pad_id_, settings_.pad_left));
+    const models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids);
+    auto loss = parts.sum / parts.count.clamp_min(1).to(torch::kFloat32);
+    return parts.aux.defined() ? loss + parts.aux.to(torch::kFloat32) : loss;
+  }
+
+  EvalSums evaluate(const std::vector<int64_t>& indices) override {
+    torch::NoGradGuard no_grad;
+    EvalSums sums;
+    for (int64_t i : indices) {
+      const SftSample& s = valid_.at(static_cast<size_t>(i));
+      const int64_t n = static_cast<int64_t>(s.ids.size());
+      auto ids = context_.on_device(torch::tensor(std::vector<int64_t>(s.ids.begin(), s.ids.end()), torch::kInt64).view({1, n}));
+      auto labels =
+          context_.on_device(torch::tensor(std::vector<int64_t>(s.labels.begin(), s.labels.end()), torch::kInt64).view({1, n}));
+      auto logits = model_->forward(ids).to(torch::kFloat32);
+      auto parts = models::causal_lm_loss_sum(logits, labels);
+      sums.loss_sum += parts.sum.item<double>();
+      sums.tokens += static_cast<double>(parts.count.item<int64_t>());
+      if (n > 1) {
+        auto predicted = logits[0].narrow(0, 0, n - 1).argmax(-1);
+        auto target = labels[0].narrow(0, 1, n - 1);
+        sums.correct += predicted.eq(target).logical_and(target.ne(kIgnoreLabel)).sum().item<double>();
+      }
+      sums.count += 1;
+    }
+    return sums;
+  }
+
+  nlohmann::json model_config() const override { return json::parse(model_->config().to_json_string()); }
+
+  std::string checkpoint_model_file() const override {
+    return settings_.peft ? "adapter_model.safetensors" : "model.safetensors";
+  }
+  io::NamedTensors state_tensors() override {
+    if (!settings_.peft) return Workload::state_tensors();
+    io::NamedTensors out;
+    for (const auto& [name, t] : models::lora_state_dict(*model_)) out.emplace_back(name, t.detach());
+    return out;
+  }
+  void load_state_tensors(const io::NamedTensors& tensors, const std::string& where) override {
+    if (!settings_.peft) return Workload::load_state_tensors(tensors, where);
+    models::load_lora_state_dict(*model_, tensors, where);
+  }
+  void write_checkpoint_extras(const std::string& dir) const override {
+    if (settings_.peft) {
+      models::save_adapter(*model_, lora_, dir);  // adapter_config.json (and the same weights again)
+    } else {
+      models::LlamaConfig c = model_->config();
+      c.torch_dtype = "float32";  // checkpoints hold the fp32 master weights
+      write_file_atomically((fs::path(dir) / "config.json").string(), c.to_json_string());
+    }
+  }
+
+  void save_final(const std::string& final_dir) override {
+    fs::create_directories(final_dir);
+    if (settings_.peft) {
+      models::save_adapter(*model_, lora_, final_dir);
+      copy_tokenizer_files(config_.base_model, final_dir);
+      if (settings_.merge_adapter) {
+        const std::string merged = (fs::path(final_dir).parent_path() / "merged").string();
+        models::merge_adapter_dir(config_.base_model, final_dir, merged);
+        spdlog::info("llm-sft: merged model in {}", merged);
+      }
+    } else {
+      // A plain HF model directory in the base checkpoint's dtype, with its tokenizer.
+      models::save_hf_model_dir(model_, final_dir, config_.base_model);
+    }
+  }
+
+ private:
+  PackedBatch on_device(PackedBatch b) const {
+    return {context_.on_device(b.input_ids), context_.on_device(b.labels), context_.on_device(b.segment_ids)};
+  }
+
+  RunConfig config_;
+  WorkloadContext context_;
+  LlmSftSettings settings_;
+  models::LlamaForCausalLM model_{nullptr};
+  models::LoraConfig lora_;
+  std::vector<SftSample> train_, valid_;
+  std::vector<std::vector<int64_t>> rows_;
+  std::vector<int64_t> row_tokens_, row_items_;
+  int32_t pad_id_ = 0;
+  torch::Tensor last_aux_;  // train_aux_loss
+};
+
+}  // namespace
+
+std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadContext& context) {
+  return std::make_unique<LlmSft>(config, context);
+}
+
+TaskSpec llm_sft_task() {
+  TaskSpec t;
+  t.task = Task::LlmSft;
+  t.summary = "supervised fine-tuning of a Llama-family model (full or LoRA), AutoTrain's LLMTrainingParams";
+  const auto l = &RunConfig::llm;
+  using L = LlmParams;
+  t.keys = {
+      key("trainer", l, &L::trainer,
+          "the trainer: sft (supervised fine-tuning), dpo (direct preference optimization), orpo (odds-ratio "
+          "preference optimization), reward (a reward model: the decoder with a scalar score head)")
+          .group("LLM")
+          .one_of({"sft", "dpo", "orpo", "reward"})
+          .alias("default", "sft"),  // AutoTrain's name for plain SFT
+      key("peft", l, &L::peft, "train LoRA adapters on the frozen model instead of every weight").group("LoRA"),
+      key("lora_r", l, &L::lora_r, "LoRA rank").group("LoRA").at_least(1),
+      key("lora_alpha", l, &L::lora_alpha, "LoRA scale numerator (scale = alpha / r)").group("LoRA").at_least(1),
+      key("lora_dropout", l, &L::lora_dropout, "dropout on the adapters' input")
+          .group("LoRA")
+          .fraction(),
+      key("target_modules", l, &L::target_modules,
+          "the adapted linears: all-linear, or names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+          .group("LoRA"),
+      key("init_adapter", l, &L::init_adapter,
+          "peft: start from this PEFT adapter directory instead of fresh adapters (its r, lora_alpha, dropout and "
+          "target modules; a reward model's also its score head): continue training an adapter, e.g. DPO after SFT")
+          .group("LoRA")
+          .null_is(""),
+      key("merge_adapter", l, &L::merge_adapter, "also fold the adapter into the base model: project_name/merged/").group("LoRA"),
+      key("model_max_length", l, &L::model_max_length, "samples are truncated to this many tokens")
+          .group("LLM")
+          .at_least(1),
+      key("block_size", l, &L::block_size, "row length: packed rows hold up to this many tokens, and samples are "
+          "truncated to it (-1: model_max_length)")
+          .group("LLM")
+          .off_or_at_least(-1, 1, "model_max_length"),
+      key("packing", l, &L::packing,
+          "pack samples first-fit into rows of block_size (AutoTrain's SFT always packs); false: one sample per row")
+          .group("LLM"),
+      key("padding", l, &L::padding,
+          "side a row shorter than its micro-batch's longest is padded on: right or left (pads are never attended "
+          "nor trained on; positions start at 0 at a sample's first token either way)")
+          .group("LLM")
+          .one_of({"right", "left"}),
+      key("add_eos_token", l, &L::add_eos_token, "end every text sample with the tokenizer's EOS").group("LLM"),
+      key("quantization", l, &L::quantization,
+          "QLoRA: the frozen base's decoder linears held quantized, dequantized per layer on the fly (needs peft; "
+          "int4: NF4, blocks of 64, double-quantized absmax, ~0.26x fp16; int8: per-row absmax, ~0.5x)")
+          .group("LLM")
+          .one_of({"none", "int4", "int8"})
+          .null_is("none"),
+      key("quantize_embeddings", l, &L::quantize_embeddings,
+          "with quantization: hold the token embeddings and an untied lm_head in the same format too (bitsandbytes "
+          "keeps them in 16 bits; they are 2 x vocab x hidden weights, a large share of a small model's base)")
+          .group("LLM"),
+      key("disable_gradient_checkpointing", l, &L::disable_gradient_checkpointing,
+          "keep every decoder layer's activations instead of recomputing them in backward (activation "
+          "checkpointing, on by default as in AutoTrain: less memory, one more forward)")
+          .group("LLM"),
+      key("use_flash_attention_2", l, &L::use_flash_attention_2,
+          "accepted for AutoTrain configs (attention is always PyTorch's fused SDPA)")
+          .group("LLM"),
+      key("unsloth", l, &L::unsloth, "Unsloth's kernels (CUDA-only: refused)").group("LLM"),
+      key("router_aux_loss_coef", l, &L::router_aux_loss_coef,
+          "mixture-of-experts models (gpt_oss): add this times the router's load-balancing loss to the training "
+          "loss, averaged over micro-batches and workers (transformers' output_router_logits; 0: off)")
+          .group("LLM")
+          .off_or_at_least(-1.0, 0.0, "as the model's config.json says: off in the published checkpoints"),
+      key("model_ref", l, &L::model_ref,
+          "dpo: the reference model's directory (default: the frozen base; with peft, the base with the adapters "
+          "disabled, no second copy)")
+          .group("Preference (dpo, orpo, reward)")
+          .null_is(""),
+      key("dpo_beta", l, &L::dpo_beta, "dpo and orpo: beta (DPO: the KL penalty's weight; ORPO: the odds-ratio term's)")
+          .group("Preference (dpo, orpo, reward)")
+          .positive(),
+      key("max_prompt_length", l, &L::max_prompt_length,
+          "preference trainers: a prompt keeps its last this many tokens")
+          .group("Preference (dpo, orpo, reward)")
+          .at_least(1),
+      key("max_completion_length", l, &L::max_completion_length,
+          "preference trainers: a completion keeps its first this many tokens (-1: no limit)")
+          .group("Preference (dpo, orpo, reward)")
+          .null_is(-1)
+          .off_or_at_least(-1, 1, "no limit"),
+  };
+  t.defaults = [](RunConfig& c) {
+    // AutoTrain's LLMTrainingParams defaults.
+    c.data.column_mapping = {{"text_column", "text"}};
+    RunParams& p = c.params;
+    p.lr = 3e-5;
+    p.epochs = 1;
+    p.batch_size = 2;
+    p.gradient_accumulation = 4;
+    p.warmup_ratio = 0.1;
+    p.optimizer = OptimizerKind::AdamW;
+    p.scheduler = SchedulerKind::Linear;
+    p.weight_decay = 0.0;
+    p.max_grad_norm = 1.0;
+    p.seed = 42;
+    p.mixed_precision = Precision::Fp32;  // AutoTrain's default is none
+    p.save_total_limit = 1;
+  };
+  t.check = check_llm_sft_config;
+  t.make = make_llm_sft;
+  return t;
+}
+
+LlmEvalResult evaluate_llm(const RunConfig& config, const std::string& adapter_dir) {
+  const LlmSftSettings settings = llm_sft_settings(config);
+  // With quantization the adapter is evaluated over the quantized base, as it was trained.
+  auto model = models::load_hf_model(config.base_model, torch::kFloat32, quant_options_of(config));
+  if (!adapter_dir.empty()) models::load_adapter(*model, adapter_dir);
+  SftEncoder encoder(config.base_model, encoder_options(config, settings.model_max_length));
+  const std::string split = config.data.valid_split.value_or(config.data.train_split);
+  const auto samples = encode_split(encoder, config.data.path, split, nullptr);
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::vector<uint8_t>> masks;
+  LlmEvalResult r;
+  for (const auto& s : samples) {
+    ids.push_back(s.ids);
+    masks.push_back(s.loss_mask());
+    r.tokens += s.predicted();
+  }
+  r.samples = static_cast<int64_t>(samples.size());
+  r.loss = models::mean_token_loss(model, ids, &masks);
+  return r;
+}
+
+}  // namespace replica::train
