@@ -523,7 +523,7 @@ LoraConfig read_adapter_config(const std::string& dir) {
 LoraConfig load_adapter(torch::nn::Module& model, const std::string& dir, io::NamedTensors* saved_modules) {
   LoraConfig config = read_adapter_config(dir);
   if (!config.modules_to_save.empty() && !saved_modules) {
-    fail("{}: a {} adapter (a reward model's LoRA with its score head) loads only into a reward model (trainer "
+    fail("{}: task_type {} (a reward model's LoRA with its score head) loads only into a reward model (trainer "
          "reward)",
          (fs::path(dir) / "adapter_config.json").string(), config.task_type);
   }

@@ -291,7 +291,18 @@ TEST(Lora, UnsupportedAdapterConfigsAreNamed) {
   try_with("modules_to_save", json({"lm_head"}), "modules_to_save");
   try_with("bias", "all", "bias");
   try_with("rank_pattern", json({{"q_proj", 4}}), "rank_pattern");
-  try_with("task_type", "SEQ_CLS", "task_type");
+  try_with("task_type", "TOKEN_CLS", "task_type");
+  // A reward model's adapter (SEQ_CLS, its score head saved whole) reads, but loads only where a
+  // score head takes it (the reward trainer), not into a causal LM.
+  {
+    auto j = good;
+    j["task_type"] = "SEQ_CLS";
+    j["modules_to_save"] = json({"classifier", "score"});
+    write_text(tmp.path / "a" / "adapter_config.json", j.dump());
+    EXPECT_EQ(read_adapter_config(tmp.str("a")).modules_to_save, std::vector<std::string>{"score"});
+    auto fresh = load_hf_model(fixture("mistral"));
+    expect_error([&] { load_adapter(*fresh, tmp.str("a")); }, {"task_type SEQ_CLS", "adapter_config.json"});
+  }
   // PEFT 0.21's variants that compute something else than plain LoRA.
   try_with("alora_invocation_tokens", json({1, 2}), "alora_invocation_tokens");
   try_with("use_qalora", true, "use_qalora");
