@@ -212,4 +212,16 @@ std::vector<nlohmann::json> read_records(const std::string& path, const std::str
   return out;
 }
 
+std::string columns_of(const nlohmann::json& record) {
+  std::string out;
+  for (const auto& item : record.items()) out += (out.empty() ? "" : ", ") + item.key();
+  return out.empty() ? "none" : out;
+}
+
+std::string mapped_column(const std::map<std::string, std::string>& mapping, const std::string& key,
+                          const std::string& fallback) {
+  auto it = mapping.find(key);
+  return it == mapping.end() ? fallback : it->second;
+}
+
 }  // namespace replica::data

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -39,5 +40,13 @@ std::vector<NumberedRecord> read_numbered_records(const std::string& path, const
 // The file read_records would read for (path, split). It is not opened here: the reader
 // refuses it then when it is not a regular file (a FIFO, a device), naming it.
 std::string resolve_records_file(const std::string& path, const std::string& split);
+
+// Column names for messages: "prompt, chosen, rejected" (the keys of a record), "none" for
+// an empty one.
+std::string columns_of(const nlohmann::json& record);
+
+// The column `mapping` (data.column_mapping) names for `key`, else `fallback`.
+std::string mapped_column(const std::map<std::string, std::string>& mapping, const std::string& key,
+                          const std::string& fallback);
 
 }  // namespace replica::data

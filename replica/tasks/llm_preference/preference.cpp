@@ -2,6 +2,7 @@
 #include "replica/tasks/llm_preference/preference.h"
 
 #include "replica/core/error.h"
+#include "replica/data/records.h"
 #include "replica/text/chat_template.h"
 
 #include <torch/torch.h>
@@ -15,17 +16,8 @@ namespace {
 using json = nlohmann::json;
 using ordered_json = nlohmann::ordered_json;
 
-std::string column_or(const std::map<std::string, std::string>& mapping, const std::string& key,
-                      const std::string& fallback) {
-  auto it = mapping.find(key);
-  return it == mapping.end() ? fallback : it->second;
-}
+using data::columns_of;
 
-std::string keys_of(const json& record) {
-  std::string out;
-  for (const auto& item : record.items()) out += (out.empty() ? "" : ", ") + item.key();
-  return out.empty() ? "none" : out;
-}
 
 void check_messages(const json& messages, const std::string& what, const std::string& where) {
   if (messages.empty()) fail("{}: {} has no messages", where, what);
@@ -58,11 +50,11 @@ PreferenceEncoder::PreferenceEncoder(text::Tokenizer tokenizer, std::string temp
 PreferenceEncoder::Texts PreferenceEncoder::texts(const json& record, const std::string& where) const {
   if (!record.is_object()) fail("{}: a record must be an object", where);
   const auto& m = options_.column_mapping;
-  const std::string pc = column_or(m, "prompt_text_column", "prompt");
-  const std::string rc = column_or(m, "rejected_text_column", "rejected");
+  const std::string pc = data::mapped_column(m, "prompt_text_column", "prompt");
+  const std::string rc = data::mapped_column(m, "rejected_text_column", "rejected");
   // AutoTrain's text_column names the chosen completion; its default ("text") falls back to
   // TRL's "chosen" when the rows have no such column.
-  std::string cc = column_or(m, "text_column", "chosen");
+  std::string cc = data::mapped_column(m, "text_column", "chosen");
   if (!record.contains(cc) && record.contains("chosen")) cc = "chosen";
   auto field = [&](const std::string& name) -> const json& {
     auto it = record.find(name);
@@ -70,7 +62,7 @@ PreferenceEncoder::Texts PreferenceEncoder::texts(const json& record, const std:
       fail("{}: column '{}' is missing (columns: {}; a preference row needs a prompt, a chosen and a rejected "
            "completion: TRL's prompt/chosen/rejected or data.column_mapping's prompt_text_column, text_column, "
            "rejected_text_column)",
-           where, name, keys_of(record));
+           where, name, columns_of(record));
     }
     if (!it->is_string() && !it->is_array()) {
       fail("{}: column '{}' must be text or a list of messages, got {}", where, name, it->type_name());

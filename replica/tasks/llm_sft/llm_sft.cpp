@@ -29,21 +29,12 @@ namespace {
 using json = nlohmann::json;
 using ordered_json = nlohmann::ordered_json;
 
-std::string column(const std::map<std::string, std::string>& mapping, const std::string& key,
-                   const std::string& fallback) {
-  auto it = mapping.find(key);
-  return it == mapping.end() ? fallback : it->second;
-}
+using data::columns_of;
 
-std::string keys_of(const json& record) {
-  std::string out;
-  for (const auto& item : record.items()) out += (out.empty() ? "" : ", ") + item.key();
-  return out.empty() ? "none" : out;
-}
 
 const json& string_field(const json& record, const std::string& name, const std::string& where) {
   auto it = record.find(name);
-  if (it == record.end()) fail("{}: column '{}' is missing (columns: {})", where, name, keys_of(record));
+  if (it == record.end()) fail("{}: column '{}' is missing (columns: {})", where, name, columns_of(record));
   if (!it->is_string()) fail("{}: column '{}' must be text, got {}", where, name, it->type_name());
   return *it;
 }
@@ -255,7 +246,7 @@ SftSample SftEncoder::encode(const json& record, const std::string& where) const
     auto pit = record.find(pc);
     auto cit = record.find(cc);
     if (pit == record.end() || cit == record.end()) {
-      fail("{}: columns '{}' and '{}' are needed (columns: {})", where, pc, cc, keys_of(record));
+      fail("{}: columns '{}' and '{}' are needed (columns: {})", where, pc, cc, columns_of(record));
     }
     if (pit->is_array() || cit->is_array()) {
       // Conversational prompt + completion: one chat whose completion turns are trained.
@@ -272,13 +263,14 @@ SftSample SftEncoder::encode(const json& record, const std::string& where) const
   if (m.count("messages_column")) {
     const std::string mc = m.at("messages_column");
     auto it = record.find(mc);
-    if (it == record.end()) fail("{}: column '{}' is missing (columns: {})", where, mc, keys_of(record));
+    if (it == record.end()) fail("{}: column '{}' is missing (columns: {})", where, mc, columns_of(record));
     return encode_chat(*it, 0, where);
   }
   if (m.count("prompt_column") || m.count("completion_column")) {
-    return prompt_completion(column(m, "prompt_column", "prompt"), column(m, "completion_column", "completion"));
+    return prompt_completion(data::mapped_column(m, "prompt_column", "prompt"),
+                             data::mapped_column(m, "completion_column", "completion"));
   }
-  const std::string tc = column(m, "text_column", "text");
+  const std::string tc = data::mapped_column(m, "text_column", "text");
   if (auto it = record.find(tc); it != record.end()) {
     if (it->is_array()) return encode_chat(*it, 0, where);  // AutoTrain: the text column holds the chat
     if (!it->is_string()) fail("{}: column '{}' must be text or a list of messages, got {}", where, tc, it->type_name());
@@ -288,7 +280,7 @@ SftSample SftEncoder::encode(const json& record, const std::string& where) const
   if (record.contains("prompt") && record.contains("completion")) return prompt_completion("prompt", "completion");
   fail("{}: no text to train on: none of the columns '{}' (text), 'messages', or 'prompt' + 'completion' "
        "(columns: {}; set data.column_mapping)",
-       where, tc, keys_of(record));
+       where, tc, columns_of(record));
 }
 
 // ---------------------------------------------------------------------------------------
