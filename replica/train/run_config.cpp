@@ -314,7 +314,7 @@ bool contains(const std::vector<std::string>& items, const std::string& item) {
   return std::find(items.begin(), items.end(), item) != items.end();
 }
 
-bool has_params_twins(Task task) { return task == Task::LlmSft; }
+bool has_params_twins(Task task) { return task_spec(task).params_twins; }
 
 std::vector<const KeySpec*> keys_of(Task task) {
   std::vector<const KeySpec*> out;

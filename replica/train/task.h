@@ -22,6 +22,9 @@ struct TaskSpec {
   std::string summary;                     // one line for --help
   std::vector<KeySpec> keys;               // the params: keys only this task has
   std::vector<std::string> models;         // allowed `model:` values; empty: the task takes base_model
+  // AutoTrain's flat LLMTrainingParams names of data keys (chat_template, text_column,
+  // prompt_text_column, rejected_text_column) are params: keys of this task too.
+  bool params_twins = false;
   void (*defaults)(RunConfig&) = nullptr;  // the task's defaults over the common ones
   // What can be refused before any worker starts (files, unsupported features);
   // replica::Error naming the key.

@@ -731,7 +731,10 @@ std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadCo
 TaskSpec llm_sft_task() {
   TaskSpec t;
   t.task = Task::LlmSft;
-  t.summary = "supervised fine-tuning of a Llama-family model (full or LoRA), AutoTrain's LLMTrainingParams";
+  t.summary =
+      "fine-tuning of a Llama-family model (full or LoRA), AutoTrain's LLMTrainingParams: trainers sft, dpo, orpo, "
+      "reward";
+  t.params_twins = true;
   const auto l = &RunConfig::llm;
   using L = LlmParams;
   t.keys = {
