@@ -316,6 +316,36 @@ TEST_F(ConfigTest, LlmKeysAndTwins) {
             "one of them");
 }
 
+TEST_F(ConfigTest, PreferenceTrainersKeysAndColumnTwins) {
+  // AutoTrain's DPO config: its trainer, beta, lengths and flat column names.
+  RunConfig c = parse_config(llm_yaml("  trainer: dpo\n"
+                                      "  dpo_beta: 0.2\n"
+                                      "  model_ref: null\n"
+                                      "  max_prompt_length: 64\n"
+                                      "  max_completion_length: null\n"
+                                      "  prompt_text_column: question\n"
+                                      "  text_column: good\n"
+                                      "  rejected_text_column: bad\n"),
+                             "run.yaml");
+  EXPECT_EQ(c.llm.trainer, "dpo");
+  EXPECT_EQ(c.llm.dpo_beta, 0.2);
+  EXPECT_EQ(c.llm.model_ref, "");
+  EXPECT_EQ(c.llm.max_prompt_length, 64);
+  EXPECT_EQ(c.llm.max_completion_length, -1);
+  EXPECT_EQ(c.data.column_mapping.at("prompt_text_column"), "question");
+  EXPECT_EQ(c.data.column_mapping.at("text_column"), "good");
+  EXPECT_EQ(c.data.column_mapping.at("rejected_text_column"), "bad");
+  EXPECT_EQ(parse_config(to_yaml(c), "config.yaml"), c) << to_yaml(c);
+  for (const char* trainer : {"orpo", "reward"}) {
+    EXPECT_EQ(parse_config(llm_yaml(std::string("  trainer: ") + trainer + "\n"), "run.yaml").llm.trainer, trainer);
+  }
+  const std::string beta = error_of(llm_yaml("  dpo_beta: 0\n"));
+  EXPECT_NE(beta.find("run.yaml:"), std::string::npos) << beta;
+  EXPECT_NE(beta.find("params.dpo_beta"), std::string::npos) << beta;
+  const std::string trainer = error_of(llm_yaml("  trainer: ppo\n"));
+  EXPECT_NE(trainer.find("sft, dpo, orpo, reward"), std::string::npos) << trainer;
+}
+
 TEST_F(ConfigTest, RoundTripsThroughYaml) {
   RunConfig image = parse_config(image_yaml("  distributed_backend: deepspeed\n"
                                             "  nproc_per_node: 3\n"
