@@ -91,13 +91,26 @@ TrainerState resume(const RunConfig& config, int64_t step, ParallelEngine& engin
     state.world_size = pg.size();
   }
   // The global generators: the CPU's, and the GPU's where the engine computes (dropout there).
-  for (const auto& [name, state_tensor] : ckpt.rng) {
-    if (name != "cpu" && name != "cuda") continue;
-    if (name == "cuda" && !engine.device().is_cuda()) continue;  // resumed on the CPU: its own draws
-    at::Generator gen = name == "cpu" ? at::detail::getDefaultCPUGenerator()
-                                      : at::globalContext().defaultGenerator(engine.device());
+  // Each rank takes its own ("cpu.rank1", ...: Note [every rank's generator]) when the world is
+  // the one that saved them, else rank 0's.
+  const bool same_world = ckpt.state.world_size == pg.size();
+  auto find = [&](const std::string& name) -> const torch::Tensor* {
+    for (const auto& [n, t] : ckpt.rng) {
+      if (n == name) return &t;
+    }
+    return nullptr;
+  };
+  for (const char* name : {"cpu", "cuda"}) {
+    if (std::string(name) == "cuda" && !engine.device().is_cuda()) continue;  // resumed on the CPU: its own draws
+    const torch::Tensor* state_tensor = find(name);
+    if (const torch::Tensor* own = find(fmt::format("{}.rank{}", name, pg.rank())); own && same_world && pg.rank() > 0) {
+      state_tensor = own;
+    }
+    if (!state_tensor) continue;
+    at::Generator gen = std::string(name) == "cpu" ? at::detail::getDefaultCPUGenerator()
+                                                   : at::globalContext().defaultGenerator(engine.device());
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state_tensor);
+    gen.set_state(*state_tensor);
   }
   workload.load_rng_state(ckpt.rng, dir + "/rng_state.safetensors");
   if (pg.rank() == 0) {
@@ -117,13 +130,28 @@ void save_run_checkpoint(const RunConfig& config, const TrainerState& state, Par
   c.extras = [&](const std::string& dir) { workload.write_checkpoint_extras(dir); };
   const fs::path staging = fs::path(config.project_name) / fmt::format(".zero-{}", state.global_step);
   engine.save_checkpoint(workload, optimizer, config.params.optimizer, staging, c);
+  // Note [every rank's generator]: the ranks' generators start from one seed but part as soon as
+  // their batches differ in length (dropout draws one number per element), so rank 0's state
+  // alone would resume every other rank on rank 0's stream. Each rank's state reaches rank 0 as
+  // its row of a sum (the states are bytes, exact in float64).
+  std::vector<std::pair<std::string, torch::Tensor>> generators = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+  if (engine.device().is_cuda()) {
+    generators.emplace_back("cuda", at::globalContext().defaultGenerator(engine.device()).get_state());
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> others;
+  for (const auto& [name, mine] : generators) {
+    auto rows = torch::zeros({pg.size(), mine.numel()}, torch::kDouble);
+    rows[pg.rank()].copy_(mine.to(torch::kDouble));
+    pg.allreduce_sum(rows).wait();
+    for (int r = 1; r < pg.size(); ++r) others.emplace_back(fmt::format("{}.rank{}", name, r), rows[r].to(torch::kUInt8).contiguous());
+  }
   if (pg.rank() != 0) return;
   c.state = state;
   if (c.state.log_history.size() > 20) {
     c.state.log_history.erase(c.state.log_history.begin(), c.state.log_history.end() - 20);
   }
-  c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
-  if (engine.device().is_cuda()) c.rng.emplace_back("cuda", at::globalContext().defaultGenerator(engine.device()).get_state());
+  c.rng = generators;
+  for (auto& t : others) c.rng.push_back(std::move(t));
   for (auto& t : workload.rng_state()) c.rng.push_back(std::move(t));
   save_checkpoint(config.project_name, c, config.params.save_total_limit);
 }
