@@ -165,14 +165,11 @@ class PreferenceWorkload final : public train::Workload {
     if (trainer_ == Trainer::Dpo) {
       if (!config.llm.model_ref.empty()) {
         // A reference model of its own: frozen, never trained, in the policy's dtype.
-        reference_ = models::load_hf_model(config.llm.model_ref,
-                                           settings_.peft && config.params.mixed_precision == train::Precision::Bf16
-                                               ? torch::kBFloat16
-                                               : torch::kFloat32);
+        reference_ = models::load_hf_model(config.llm.model_ref, train::base_weight_dtype(config));
         check_same_vocabulary(reference_->config().vocab_size);
       } else if (!settings_.peft) {
         // Full fine-tuning: a frozen copy of the base, as TRL's create_reference_model.
-        reference_ = models::load_hf_model(config.base_model, torch::kFloat32);
+        reference_ = models::load_hf_model(config.base_model, train::base_weight_dtype(config));
       }
       if (!reference_.is_empty()) {
         for (auto& p : reference_->parameters()) p.set_requires_grad(false);

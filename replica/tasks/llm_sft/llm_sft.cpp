@@ -441,16 +441,20 @@ void check_llm_sft_config(const RunConfig& config) {
   if (s.block_size < 2) fail("params.block_size must be at least 2 (or -1), got {}", s.block_size);
 }
 
+torch::ScalarType base_weight_dtype(const RunConfig& config) {
+  // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
+  // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
+  const bool bf16 = config.params.mixed_precision == Precision::Bf16;
+  return llm_sft_settings(config).peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
+}
+
 models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const WorkloadContext& context,
                                                const std::string& tag, models::LoraConfig* lora,
                                                models::HfExtraTensors* extra) {
   const LlmSftSettings settings = llm_sft_settings(config);
   models::LlamaForCausalLM model{nullptr};
   const bool main = context.is_main();
-  const bool bf16 = config.params.mixed_precision == Precision::Bf16;
-  // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
-  // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
-  const auto dtype = settings.peft && bf16 ? torch::kBFloat16 : torch::kFloat32;
+  const auto dtype = base_weight_dtype(config);
   // quantization: every decoder linear quantized as it is read (QLoRA's load_in_4bit/8bit).
   const auto quant = quant_options_of(config);
   model = models::load_hf_model(config.base_model, dtype, quant, extra);

@@ -161,6 +161,9 @@ std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadCo
 models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const WorkloadContext& context,
                                                const std::string& tag, models::LoraConfig* lora,
                                                models::HfExtraTensors* extra = nullptr);
+// The dtype an llm run holds its base weights in: bf16 for peft with mixed_precision bf16, else
+// fp32 (DPO's reference model is held the same way).
+torch::ScalarType base_weight_dtype(const RunConfig& config);
 // params.quantization and params.quantize_embeddings as the loader takes them.
 models::QuantOptions quant_options_of(const RunConfig& config);
 // Copies the tokenizer files of model directory FROM into TO (final/ carries them).
