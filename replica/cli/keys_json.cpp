@@ -23,19 +23,19 @@ nlohmann::json entry(const std::string& name, const std::string& help, nlohmann:
 
 }  // namespace
 
-std::string keys_json(train::Task task) {
+std::string keys_json(const std::string& task) {
   using train::RunConfig;
   const RunConfig d = train::default_config(task);
   const bool llm = train::task_spec(task).models.empty();  // takes base_model (llm-sft)
   nlohmann::json out;
-  out["task"] = train::name_of(task);
+  out["task"] = task;
   out["command"] = llm ? "replica llm --train" : "replica --config FILE";
 
   // The run's own flags, as `replica llm` and `replica --config FILE` take them; each must be
   // a flag of the task (a renamed one fails here, not silently in Python).
   nlohmann::json run = nlohmann::json::array();
   auto add_run = [&](const std::string& name, const std::string& help, nlohmann::json value) {
-    if (!train::is_flag(task, name)) fail("replica keys: '{}' is not a flag of task {}", name, train::name_of(task));
+    if (!train::is_flag(task, name)) fail("replica keys: '{}' is not a flag of task {}", name, task);
     run.push_back(entry(name, help, std::move(value)));
   };
   add_run("model", llm ? "Hugging Face model directory (base_model:)" : "the model (model:)",
@@ -71,20 +71,14 @@ std::string keys_json(train::Task task) {
   out["keys"] = std::move(keys);
 
   nlohmann::json twins = nlohmann::json::array();
-  if (train::is_param_key(task, "chat_template")) {
-    twins.push_back(entry("chat_template", "data.chat_template: tokenizer, chatml, llama3 or none",
-                          d.data.chat_template));
-  }
-  if (train::is_param_key(task, "text_column")) {
-    const auto it = d.data.column_mapping.find("text_column");
-    twins.push_back(entry("text_column", "data.column_mapping.text_column",
-                          it == d.data.column_mapping.end() ? nlohmann::json() : nlohmann::json(it->second)));
-  }
-  for (const char* name : {"prompt_text_column", "rejected_text_column"}) {
-    if (!train::is_param_key(task, name)) continue;
-    const auto it = d.data.column_mapping.find(name);
-    twins.push_back(entry(name, std::string("data.column_mapping.") + name + " (dpo, orpo, reward)",
-                          it == d.data.column_mapping.end() ? nlohmann::json() : nlohmann::json(it->second)));
+  for (const auto& twin : train::task_spec(task).twins) {
+    nlohmann::json value;
+    if (twin.name == "chat_template") {
+      value = d.data.chat_template;
+    } else if (auto it = d.data.column_mapping.find(twin.name); it != d.data.column_mapping.end()) {
+      value = it->second;
+    }
+    twins.push_back(entry(twin.name, twin.help, std::move(value)));
   }
   out["twins"] = std::move(twins);
 

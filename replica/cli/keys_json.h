@@ -18,6 +18,6 @@ namespace replica::cli {
 //    default with its real JSON type (null for a secret);
 //  - twins: the params twins of data: keys (llm-sft: chat_template, text_column);
 //  - autotrain_only: AutoTrain fields `replica llm` accepts only at one value (llm-sft).
-std::string keys_json(train::Task task);
+std::string keys_json(const std::string& task);
 
 }  // namespace replica::cli

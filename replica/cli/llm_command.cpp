@@ -30,6 +30,9 @@ namespace fs = std::filesystem;
 namespace replica::cli {
 namespace {
 
+// `replica llm` is the command of this task (AutoTrain's llm task; its trainers by --trainer).
+constexpr const char* kLlmTask = "llm-sft";
+
 // The command's own flags; every other flag is the run's (train::set_flag).
 const std::vector<std::string> kCommandFlags = {"adapter", "train", "eval", "help"};
 
@@ -59,7 +62,7 @@ const Unsupported* find_unsupported(const std::string& name) {
 
 bool is_switch(const std::string& name) {
   static const std::set<std::string> own = {"train", "eval", "help", "push_to_hub", "auto_find_batch_size"};
-  return own.count(name) > 0 || train::is_switch_key(train::Task::LlmSft, name);
+  return own.count(name) > 0 || train::is_switch_key(kLlmTask, name);
 }
 
 bool is_bool_literal(std::string v) {
@@ -116,7 +119,7 @@ std::vector<AutoTrainOnlyFlag> autotrain_only_flags() {
 LlmArgs parse_llm_args(const std::vector<std::string>& args) {
   LlmArgs out;
   train::RunConfig& c = out.config;
-  c = train::default_config(train::Task::LlmSft);
+  c = train::default_config(kLlmTask);
   c.source = "";
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -138,10 +141,10 @@ LlmArgs parse_llm_args(const std::vector<std::string>& args) {
     std::replace(name.begin(), name.end(), '-', '_');
     const bool own = std::find(kCommandFlags.begin(), kCommandFlags.end(), name) != kCommandFlags.end();
     const Unsupported* unsupported = find_unsupported(name);
-    if (!own && unsupported == nullptr && !train::is_flag(train::Task::LlmSft, name)) {
+    if (!own && unsupported == nullptr && !train::is_flag(kLlmTask, name)) {
       std::vector<std::string> others = kCommandFlags;
       for (const auto& u : unsupported_flags()) others.push_back(u.name);
-      fail("replica llm: {}", train::unknown_flag_message(train::Task::LlmSft, given, others));
+      fail("replica llm: {}", train::unknown_flag_message(kLlmTask, given, others));
     }
     if (!has_value) {
       const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
@@ -209,7 +212,7 @@ int llm_command(const std::vector<std::string>& args, const std::vector<std::str
     // A sentence, not a heading: the groups of the key table below are the headings.
     std::cout << kLlmUsage << "\nEvery params: key of task llm-sft follows, by group, with AutoTrain's "
                               "LLMTrainingParams names and defaults.\n\n"
-              << train::keys_help(train::Task::LlmSft) << kLlmFooter;
+              << train::keys_help(kLlmTask) << kLlmFooter;
     return 0;
   }
   train::RunConfig& c = parsed.config;

@@ -11,6 +11,7 @@
 #include "replica/launch/launcher.h"
 #include "replica/obs/plot.h"
 #include "replica/train/run_config.h"
+#include "replica/train/task.h"
 #include "replica/train/trainer.h"
 #include "replica/train/checkpoint.h"
 
@@ -27,6 +28,13 @@
 #include <set>
 
 namespace {
+
+// The registered tasks' names, as `replica keys TASK` takes them.
+std::vector<std::string> task_names_list() {
+  std::vector<std::string> names;
+  for (const auto& spec : replica::train::task_specs()) names.push_back(spec.name);
+  return names;
+}
 
 // `replica --config run.yaml --max-steps 20 --project-name out/x`: every flag has a YAML twin;
 // flags after --config are applied over the file (train::load_config).
@@ -155,8 +163,7 @@ int run_main(int argc, char** argv) {
                                              "default, the run's own flags and the params twins");
   keys_cmd->add_option("TASK", keys_task, "llm-sft, image-classification or two-tower")
       ->required()
-      ->check(CLI::IsMember(std::vector<std::string>(replica::train::EnumNames<replica::train::Task>::names.begin(),
-                                                     replica::train::EnumNames<replica::train::Task>::names.end())));
+      ->check(CLI::IsMember(task_names_list()));
 
   auto* env_cmd = app.add_subcommand("env", "Print the environment report for bug reports");
   std::string format = "text";
@@ -255,7 +262,7 @@ int run_main(int argc, char** argv) {
     return 0;
   }
   if (*keys_cmd) {
-    const auto task = replica::train::enum_from<replica::train::Task>(keys_task).value();
+    const std::string& task = keys_task;
     if (keys_as_json) {
       std::cout << replica::cli::keys_json(task);
       return 0;

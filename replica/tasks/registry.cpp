@@ -1,7 +1,9 @@
 // The task registry: every task of replica, one line each (train/task.h declares the table;
 // the trainer, the config reader and the command line find tasks only through it).
+#include "replica/tasks/image_classification/image_classification.h"
 #include "replica/tasks/llm_preference/preference_workload.h"
 #include "replica/tasks/llm_sft/llm_sft.h"
+#include "replica/tasks/two_tower/two_tower.h"
 #include "replica/train/task.h"
 
 namespace replica::train {
@@ -13,7 +15,7 @@ namespace {
 TaskSpec llm_task() {
   TaskSpec t = llm_sft_task();
   t.make = [](const RunConfig& c, const WorkloadContext& context) {
-    return c.llm.trainer == "sft" ? make_llm_sft(c, context) : tasks::make_preference_workload(c, context);
+    return llm_params(c).trainer == "sft" ? make_llm_sft(c, context) : tasks::make_preference_workload(c, context);
   };
   t.check = [](const RunConfig& c) {
     check_llm_sft_config(c);
@@ -25,7 +27,6 @@ TaskSpec llm_task() {
 }  // namespace
 
 const std::vector<TaskSpec>& task_specs() {
-  // In EnumNames<Task> order, so that task_spec() is an index.
   static const std::vector<TaskSpec> tasks = {llm_task(), image_classification_task(), two_tower_task()};
   return tasks;
 }

@@ -1,9 +1,10 @@
 // The key tables' machinery: how one `params:` key is declared once and read, checked,
 // written, compared and explained from that one declaration.
 //
-//   key("lora_r", &RunConfig::llm, &LlmParams::lora_r, "LoRA rank").at_least(1)
+//   key("lora_r", &LlmParams::lora_r, "LoRA rank").at_least(1)
 //
-// binds the name to its field; the field's C++ type picks how a value is read from YAML or a
+// binds the name to its field (in RunParams, the keys every task has, or in a task's own params
+// struct, held by RunConfig::task_params); the field's C++ type picks how a value is read from YAML or a
 // flag (Codec below: integers, numbers, true/false, text, lists, the enumerations of
 // run_config.h), and the modifiers add aliases, checks and help. Messages follow one form:
 // "FILE:LINE: key 'params.lora_r' must be >= 1, got 0".
@@ -274,13 +275,30 @@ struct Codec<E, std::enable_if_t<std::is_enum_v<E>>> {
 
 // ---- The builder.
 
+// The section a key's field lives in: the common RunParams, or the task's own struct.
+template <class Section>
+Section& section_of(RunConfig& c) {
+  if constexpr (std::is_same_v<Section, RunParams>) {
+    return c.params;
+  } else {
+    return c.task_params.get<Section>();
+  }
+}
+template <class Section>
+const Section& section_of(const RunConfig& c) {
+  if constexpr (std::is_same_v<Section, RunParams>) {
+    return c.params;
+  } else {
+    return c.task_params.get<Section>();
+  }
+}
+
 template <class Section, class T>
 class Key {
  public:
   using Check = std::function<std::string(const T&)>;  // "" when fine, else "must be ..., got ..."
 
-  Key(const char* name, Section RunConfig::*section, T Section::*member, const char* help)
-      : name_(name), section_(section), member_(member), help_(help) {
+  Key(const char* name, T Section::*member, const char* help) : name_(name), member_(member), help_(help) {
     if constexpr (std::is_enum_v<T>) {
       kind_ = "one of " + Codec<T>::names();
       hint_ = Codec<T>::hint_text();
@@ -354,12 +372,10 @@ class Key {
     s.is_switch = std::is_same_v<T, bool>;
     s.secret = secret_;
     s.known_as = known_as_;
-    const auto section = section_;
     const auto member = member_;
-    auto get = [section, member](const RunConfig& c) -> const T& { return (c.*section).*member; };
-    s.read = [self = *this, section, member](RunConfig& c, const YAML::Node& n, const std::string& key,
-                                              const KeyLocation& loc) {
-      (c.*section).*member = self.read_value(n, key, loc);
+    auto get = [member](const RunConfig& c) -> const T& { return section_of<Section>(c).*member; };
+    s.read = [self = *this, member](RunConfig& c, const YAML::Node& n, const std::string& key, const KeyLocation& loc) {
+      section_of<Section>(c).*member = self.read_value(n, key, loc);
     };
     s.check = [checks = checks_, get](const RunConfig& c, const std::string& key, const KeyLocation& loc) {
       for (const auto& check : checks) {
@@ -415,7 +431,6 @@ class Key {
   }
 
   std::string name_;
-  Section RunConfig::*section_;
   T Section::*member_;
   std::string help_;
   std::string group_;
@@ -434,8 +449,8 @@ class Key {
 };
 
 template <class Section, class T>
-Key<Section, T> key(const char* name, Section RunConfig::*section, T Section::*member, const char* help) {
-  return Key<Section, T>(name, section, member, help);
+Key<Section, T> key(const char* name, T Section::*member, const char* help) {
+  return Key<Section, T>(name, member, help);
 }
 
 }  // namespace replica::train

@@ -123,82 +123,81 @@ bool Codec<std::vector<std::string>>::read(const YAML::Node& n, std::vector<std:
 const std::vector<KeySpec>& common_keys() {
   static const std::vector<KeySpec> keys = [] {
     using P = RunParams;
-    const auto p = &RunConfig::params;
     auto zero3 = [](const RunConfig& c) { return zero_stage_of(c.params) == 3; };
     std::vector<KeySpec> k = {
         // Workers and rendezvous.
-        key("distributed_backend", p, &P::distributed_backend,
+        key("distributed_backend", &P::distributed_backend,
             "ddp: replicas, gradients all-reduced during backward; zero3 (deepspeed): parameters, gradients "
             "and optimizer state sharded")
             .group("Workers")
             .null_is(DistributedBackend::Ddp)
             .alias("deepspeed", DistributedBackend::Zero3)
             .shown("null, ddp, deepspeed, zero3"),
-        key("device", p, &P::device,
+        key("device", &P::device,
             "where each worker computes: cuda (cuda:LOCAL_RANK, NCCL between workers), cpu (Gloo), or auto "
             "(cuda when a GPU is visible)")
             .group("Workers"),
-        key("ddp_backend", p, &P::ddp_backend,
+        key("ddp_backend", &P::ddp_backend,
             "process-group backend (transformers' name): auto (NCCL between GPUs, Gloo on the CPU), nccl, or gloo "
             "(with GPUs too: Gloo moves CUDA tensors through the host, and several workers may share a GPU)")
             .group("Workers")
             .one_of({"auto", "nccl", "gloo"})
             .null_is("auto"),
-        key("nproc_per_node", p, &P::nproc_per_node, "workers on this node (auto: usable cores, or visible GPUs)")
+        key("nproc_per_node", &P::nproc_per_node, "workers on this node (auto: usable cores, or visible GPUs)")
             .group("Workers")
             .keyword("auto", 0)
             .valid_if([](const int& v) { return v >= 1; }, "a positive integer or 'auto'"),
-        key("master_addr", p, &P::master_addr, "rendezvous host (rank 0's node)").group("Workers").not_empty(),
-        key("master_port", p, &P::master_port, "rendezvous port (0: a free one, one node only)")
+        key("master_addr", &P::master_addr, "rendezvous host (rank 0's node)").group("Workers").not_empty(),
+        key("master_port", &P::master_port, "rendezvous port (0: a free one, one node only)")
             .group("Workers")
             .check([](const int& v) {
               return v < 0 || v > 65535 ? fmt::format("must be a port number 0-65535, got {}", v) : std::string();
             }),
-        key("rdzv_timeout", p, &P::rdzv_timeout, "seconds to wait for every worker at the rendezvous")
+        key("rdzv_timeout", &P::rdzv_timeout, "seconds to wait for every worker at the rendezvous")
             .group("Workers")
             .positive(),
-        key("collective_timeout", p, &P::collective_timeout,
+        key("collective_timeout", &P::collective_timeout,
             "seconds a collective may wait for a peer before the run stops naming it")
             .group("Workers")
             .positive(),
-        key("max_restarts", p, &P::max_restarts, "restarts of the worker group after a failure")
+        key("max_restarts", &P::max_restarts, "restarts of the worker group after a failure")
             .group("Workers")
             .at_least(0),
-        key("deterministic", p, &P::deterministic, "same inputs, same bits, at any run and after any resume")
+        key("deterministic", &P::deterministic, "same inputs, same bits, at any run and after any resume")
             .group("Workers"),
-        key("stage3_prefetch_bucket_size", p, &P::stage3_prefetch_bucket_size,
+        key("stage3_prefetch_bucket_size", &P::stage3_prefetch_bucket_size,
             "zero3: elements gathered ahead of use")
             .group("ZeRO-3")
             .at_least(0.0)
             .in_json_when(zero3),
-        key("stage3_param_persistence_threshold", p, &P::stage3_param_persistence_threshold,
+        key("stage3_param_persistence_threshold", &P::stage3_param_persistence_threshold,
             "zero3: layers smaller than this stay gathered")
             .group("ZeRO-3")
             .at_least(0.0)
             .in_json_when(zero3),
-        key("stage3_max_live_parameters", p, &P::stage3_max_live_parameters, "zero3: elements gathered at once")
+        key("stage3_max_live_parameters", &P::stage3_max_live_parameters, "zero3: elements gathered at once")
             .group("ZeRO-3")
             .at_least(0.0)
             .in_json_when(zero3),
-        key("stage3_max_reuse_distance", p, &P::stage3_max_reuse_distance,
+        key("stage3_max_reuse_distance", &P::stage3_max_reuse_distance,
             "zero3: a layer whose backward comes within this many gathered elements of its forward stays gathered")
             .group("ZeRO-3")
             .at_least(0.0)
             .in_json_when(zero3),
-        key("reduce_bucket_size", p, &P::reduce_bucket_size,
+        key("reduce_bucket_size", &P::reduce_bucket_size,
             "zero3: accepted for DeepSpeed configs (each layer's gradients are reduced whole)")
             .group("ZeRO-3")
             .at_least(0.0)
             .in_json_when(zero3),
-        key("overlap_comm", p, &P::overlap_comm, "zero3: gather the next layer while this one computes")
+        key("overlap_comm", &P::overlap_comm, "zero3: gather the next layer while this one computes")
             .group("ZeRO-3")
             .in_json_when(zero3),
-        key("shard_optimizer", p, &P::shard_optimizer,
+        key("shard_optimizer", &P::shard_optimizer,
             "ddp: each worker steps only its 1/N of the parameters (ZeRO-1/2 inside DDP); auto: on for CPU "
             "workers sharing one host")
             .group("Workers"),
         // DeepSpeed's memory knobs, by DeepSpeed's names (Note [ZeRO stages] in engine.cpp).
-        key("zero_stage", p, &P::zero_stage,
+        key("zero_stage", &P::zero_stage,
             "1: optimizer state sharded; 2: + gradients (reduce-scattered); 3: + parameters (zero3); 0: plain "
             "ddp; auto: 3 for deepspeed/zero3, 0 for ddp")
             .group("ZeRO")
@@ -206,88 +205,88 @@ const std::vector<KeySpec>& common_keys() {
             .keyword("auto", -1)
             .null_is(-1)
             .valid_if([](const int& v) { return v >= 0 && v <= 3; }, "0, 1, 2, 3 or 'auto'"),
-        key("offload_optimizer_device", p, &P::offload_optimizer_device,
+        key("offload_optimizer_device", &P::offload_optimizer_device,
             "optimizer state and step on the host (cpu) or in files under nvme_path (nvme); zero_stage >= 1")
             .group("ZeRO")
             .null_is(OffloadDevice::None),
-        key("offload_param_device", p, &P::offload_param_device,
+        key("offload_param_device", &P::offload_param_device,
             "zero_stage 3: parameter shards on the host (cpu) or in files under nvme_path (nvme)")
             .group("ZeRO")
             .null_is(OffloadDevice::None),
-        key("nvme_path", p, &P::nvme_path, "directory of the nvme offload's swap files (a fast local disk)")
+        key("nvme_path", &P::nvme_path, "directory of the nvme offload's swap files (a fast local disk)")
             .group("ZeRO"),
-        key("deepspeed", p, &P::deepspeed,
+        key("deepspeed", &P::deepspeed,
             "a DeepSpeed JSON config (ds_config.json), read into these keys; a field replica does not implement "
             "is an error")
             .group("ZeRO"),
-        key("token", p, &P::token, "rendezvous secret (or env REPLICA_TOKEN); never written out")
+        key("token", &P::token, "rendezvous secret (or env REPLICA_TOKEN); never written out")
             .group("Workers")
             .secret(),
         // The training loop.
-        key("epochs", p, &P::epochs, "passes over the training data").group("Training").at_least(1).known_as(
+        key("epochs", &P::epochs, "passes over the training data").group("Training").at_least(1).known_as(
             {"num_train_epochs"}),
-        key("max_steps", p, &P::max_steps, "optimizer steps; wins over epochs (-1: off)")
+        key("max_steps", &P::max_steps, "optimizer steps; wins over epochs (-1: off)")
             .group("Training")
             .off_or_at_least(-1, 1, "off"),
-        key("batch_size", p, &P::batch_size, "samples per worker per micro-step")
+        key("batch_size", &P::batch_size, "samples per worker per micro-step")
             .group("Training")
             .at_least(1)
             .known_as({"per_device_train_batch_size", "train_batch_size"}),
-        key("gradient_accumulation", p, &P::gradient_accumulation, "micro-steps per optimizer step")
+        key("gradient_accumulation", &P::gradient_accumulation, "micro-steps per optimizer step")
             .group("Training")
             .at_least(1)
             .known_as({"gradient_accumulation_steps"}),
-        key("mixed_precision", p, &P::mixed_precision,
+        key("mixed_precision", &P::mixed_precision,
             "bf16: autocast compute, fp32 master weights; fp16: the same in float16, with dynamic loss scaling")
             .group("Training")
             .null_is(Precision::Fp32)
             .alias("no", Precision::Fp32)  // Accelerate's spelling
             .alias("none", Precision::Fp32)
             .known_as({"precision"}),
-        key("optimizer", p, &P::optimizer, "fused AdamW or SGD with momentum")
+        key("optimizer", &P::optimizer, "fused AdamW or SGD with momentum")
             .group("Training")
             .alias("adamw_torch", OptimizerKind::AdamW)  // AutoTrain's default spelling
             .known_as({"optim"}),
-        key("lr", p, &P::lr, "peak learning rate").group("Training").positive().known_as({"learning_rate"}),
-        key("momentum", p, &P::momentum, "sgd's momentum").group("Training").at_least(0.0),
-        key("weight_decay", p, &P::weight_decay, "decoupled weight decay").group("Training").at_least(0.0),
-        key("warmup_steps", p, &P::warmup_steps, "linear warm-up steps (0: warmup_ratio)")
+        key("lr", &P::lr, "peak learning rate").group("Training").positive().known_as({"learning_rate"}),
+        key("momentum", &P::momentum, "sgd's momentum").group("Training").at_least(0.0),
+        key("weight_decay", &P::weight_decay, "decoupled weight decay").group("Training").at_least(0.0),
+        key("warmup_steps", &P::warmup_steps, "linear warm-up steps (0: warmup_ratio)")
             .group("Training")
             .at_least(0),
-        key("warmup_ratio", p, &P::warmup_ratio, "warm-up as a fraction of the steps")
+        key("warmup_ratio", &P::warmup_ratio, "warm-up as a fraction of the steps")
             .group("Training")
             .fraction(),
-        key("scheduler", p, &P::scheduler, "learning-rate decay after warm-up")
+        key("scheduler", &P::scheduler, "learning-rate decay after warm-up")
             .group("Training")
             .known_as({"lr_scheduler_type"}),
-        key("max_grad_norm", p, &P::max_grad_norm, "gradient clipping by global norm (<= 0: off)").group("Training"),
-        key("nonfinite_loss", p, &P::nonfinite_loss,
+        key("max_grad_norm", &P::max_grad_norm, "gradient clipping by global norm (<= 0: off)").group("Training"),
+        key("nonfinite_loss", &P::nonfinite_loss,
             "a NaN/Inf loss or gradient norm on any worker: stop naming the step, or skip the step's update "
             "(counted, logged); fp16's loss scaler skips its overflows either way")
             .group("Training"),
-        key("shuffle", p, &P::shuffle, "reshuffle the training data every epoch").group("Training"),
-        key("seed", p, &P::seed, "seed of initialisation, shuffling and dropout").group("Training").at_least(0),
-        key("eval_every", p, &P::eval_every, "evaluate every N steps (0: at the end of each epoch)")
+        key("shuffle", &P::shuffle, "reshuffle the training data every epoch").group("Training"),
+        key("seed", &P::seed, "seed of initialisation, shuffling and dropout").group("Training").at_least(0),
+        key("eval_every", &P::eval_every, "evaluate every N steps (0: at the end of each epoch)")
             .group("Training")
             .at_least(0)
             .known_as({"eval_steps"}),
-        key("checkpoint_every", p, &P::checkpoint_every,
+        key("checkpoint_every", &P::checkpoint_every,
             "a checkpoint every N steps and one at the end (0: no checkpoints at all, so nothing to resume "
             "from; final/ is still written)")
             .group("Training")
             .at_least(0)
             .known_as({"save_steps"}),
-        key("save_total_limit", p, &P::save_total_limit, "checkpoints kept (<= 0: all)").group("Training"),
-        key("threads_per_worker", p, &P::threads_per_worker, "intra-op threads per worker (0: cores / workers)")
+        key("save_total_limit", &P::save_total_limit, "checkpoints kept (<= 0: all)").group("Training"),
+        key("threads_per_worker", &P::threads_per_worker, "intra-op threads per worker (0: cores / workers)")
             .group("Workers")
             .at_least(0),
-        key("logging_steps", p, &P::logging_steps, "a metrics line every N steps (-1: the default)")
+        key("logging_steps", &P::logging_steps, "a metrics line every N steps (-1: the default)")
             .group("Output")
             .alias("-1", RunParams{}.logging_steps)  // AutoTrain's "pick for me"
             .at_least(1),
-        key("overwrite", p, &P::overwrite, "replace an earlier run's outputs in project_name (only those)")
+        key("overwrite", &P::overwrite, "replace an earlier run's outputs in project_name (only those)")
             .group("Output"),
-        key("timeline", p, &P::timeline, "write a Chrome trace of every rank to this file").group("Output"),
+        key("timeline", &P::timeline, "write a Chrome trace of every rank to this file").group("Output"),
     };
     return k;
   }();
@@ -300,43 +299,70 @@ const std::vector<std::string> kTopKeys = {"task",         "backend", "base_mode
                                            "project_name", "data",    "log",        "params"};
 const std::vector<std::string> kDataKeys = {"path", "train_split", "valid_split", "chat_template",
                                             "column_mapping"};
-const std::vector<std::string> kColumnKeys = {
-    "text_column",        "messages_column",      "prompt_column", "completion_column",
-    "prompt_text_column", "rejected_text_column", "image_column",  "target_column",
-    "label_column",       "user_column",          "item_column"};
 const std::vector<std::string> kChatTemplates = {"tokenizer", "chatml", "llama3", "none"};
-// AutoTrain's flat LLMTrainingParams carry chat_template and text_column; replica keeps them in
-// `data:`, so these params twins are applied there.
-const std::vector<std::string> kParamsTwins = {"chat_template", "text_column", "prompt_text_column",
-                                                "rejected_text_column"};
 
 bool contains(const std::vector<std::string>& items, const std::string& item) {
   return std::find(items.begin(), items.end(), item) != items.end();
 }
 
-bool has_params_twins(Task task) { return task_spec(task).params_twins; }
+bool is_twin(const TaskSpec& spec, const std::string& name) {
+  return std::any_of(spec.twins.begin(), spec.twins.end(), [&](const ParamsTwin& t) { return t.name == name; });
+}
 
-std::vector<const KeySpec*> keys_of(Task task) {
+std::vector<const KeySpec*> keys_of(const std::string& task) {
   std::vector<const KeySpec*> out;
   for (const auto& k : common_keys()) out.push_back(&k);
   for (const auto& k : task_spec(task).keys) out.push_back(&k);
   return out;
 }
 
-// "task llm-sft", or "tasks image-classification, two-tower": the tasks whose own key (or
-// params twin) `name` is; "" for none.
-std::string owners_of(const std::string& name) {
+// "task llm-sft", or "tasks image-classification, two-tower": the tasks that have `name`, by
+// `has(spec, name)`; "" for none.
+template <class Has>
+std::string tasks_having(const std::string& name, Has has) {
   std::vector<std::string> owners;
   for (const auto& spec : task_specs()) {
-    const bool own = std::any_of(spec.keys.begin(), spec.keys.end(), [&](const KeySpec& k) { return k.name == name; }) ||
-                     (has_params_twins(spec.task) && contains(kParamsTwins, name));
-    if (own) owners.emplace_back(name_of(spec.task));
+    if (has(spec, name)) owners.emplace_back(spec.name);
   }
   if (owners.empty()) return "";
   return (owners.size() == 1 ? "task " : "tasks ") + join_names(owners, ", ");
 }
 
-const KeySpec* find_key(Task task, const std::string& name) {
+// The tasks whose own key (or params twin) `name` is.
+std::string owners_of(const std::string& name) {
+  return tasks_having(name, [](const TaskSpec& spec, const std::string& n) {
+    return is_twin(spec, n) ||
+           std::any_of(spec.keys.begin(), spec.keys.end(), [&](const KeySpec& k) { return k.name == n; });
+  });
+}
+
+// "task llm-sft": the tasks that take base_model (no `model:` choices), for messages.
+std::string base_model_tasks() {
+  return tasks_having("", [](const TaskSpec& spec, const std::string&) { return spec.models.empty(); });
+}
+
+// "tasks image-classification, two-tower": the tasks that take `model:`.
+std::string model_tasks() {
+  return tasks_having("", [](const TaskSpec& spec, const std::string&) { return !spec.models.empty(); });
+}
+
+// A data.column_mapping key the task does not read: another task's ("applies only to ..."), or
+// none's ("unknown ... did you mean"); never accepted and ignored.
+void check_column_key(const KeyLocation& loc, const TaskSpec& spec, const std::string& key, const std::string& column) {
+  if (contains(spec.columns, column)) return;
+  const std::string owners =
+      tasks_having(column, [](const TaskSpec& s, const std::string& n) { return contains(s.columns, n); });
+  if (!owners.empty()) {
+    fail("{}key '{}' applies only to {}{}", loc.where(key), key, owners,
+         spec.columns.empty() ? fmt::format(" (task {} reads no columns)", spec.name) : "");
+  }
+  std::vector<std::string> all;
+  for (const auto& s : task_specs()) all.insert(all.end(), s.columns.begin(), s.columns.end());
+  const std::string suggestion = did_you_mean(column, spec.columns.empty() ? all : spec.columns);
+  fail("{}unknown key '{}'{}", loc.where(key), key, suggestion.empty() ? "" : fmt::format(" (did you mean '{}'?)", suggestion));
+}
+
+const KeySpec* find_key(const std::string& task, const std::string& name) {
   for (const KeySpec* k : keys_of(task)) {
     if (k->name == name) return k;
   }
@@ -447,17 +473,19 @@ void check_config(const RunConfig& c, const KeyLocation& loc) {
   check_one_of(loc, "backend", c.backend, {"local"});
   const TaskSpec& spec = task_spec(c.task);
   if (spec.models.empty()) {
-    if (c.base_model.empty()) fail("{}base_model is required for task {}", loc.where("base_model"), name_of(c.task));
+    if (c.base_model.empty()) fail("{}base_model is required for task {}", loc.where("base_model"), c.task);
     check_path(loc, "base_model", c.base_model);
   } else {
-    if (!c.base_model.empty()) fail("{}key 'base_model' applies only to task llm-sft", loc.where("base_model"));
+    if (!c.base_model.empty()) {
+      fail("{}key 'base_model' is for {} (task {} takes 'model')", loc.where("base_model"), base_model_tasks(), c.task);
+    }
     check_one_of(loc, "model", c.model, spec.models);
   }
   if (c.project_name.empty()) {
     fail("{}project_name is required (the output directory of the run)", loc.where("project_name"));
   }
   const DataConfig& d = c.data;
-  if (d.path.empty()) fail("{}data.path is required for task {}", loc.where("data.path"), name_of(c.task));
+  if (d.path.empty()) fail("{}data.path is required for task {}", loc.where("data.path"), c.task);
   check_path(loc, "data.path", d.path);
   if (d.train_split.empty()) fail("{}key 'data.train_split' must not be empty", loc.where("data.train_split"));
   if (d.valid_split && d.valid_split->empty()) {
@@ -466,7 +494,7 @@ void check_config(const RunConfig& c, const KeyLocation& loc) {
   check_one_of(loc, "data.chat_template", d.chat_template, kChatTemplates);
   for (const auto& [name, column] : d.column_mapping) {
     const std::string key = "data.column_mapping." + name;
-    check_one_of(loc, key, name, kColumnKeys);  // never fails for parsed configs
+    check_column_key(loc, spec, key, name);  // never fails for parsed configs
     if (column.empty()) fail("{}key '{}' must not be empty", loc.where(key), key);
   }
   for (const KeySpec* k : keys_of(c.task)) k->check(c, "params." + k->name, loc);
@@ -497,8 +525,10 @@ void read_data(const YAML::Node& node, RunConfig& c, KeyLocation& loc) {
       for_each_entry(v, "data.column_mapping.", loc,
                      [&](const std::string& column, const YAML::Node& ck, const YAML::Node& cv) {
                        const std::string column_path = path + "." + column;
-                       if (!contains(kColumnKeys, column)) {
-                         unknown_key(loc, ck, "data.column_mapping.", column, kColumnKeys);
+                       const TaskSpec& spec = task_spec(c.task);
+                       if (!contains(spec.columns, column)) {
+                         loc.note(column_path, ck);
+                         check_column_key(loc, spec, column_path, column);
                        }
                        loc.note(column_path, ck);
                        c.data.column_mapping[column] = read_string(cv, column_path, loc);
@@ -519,10 +549,10 @@ std::string twin_data_key(const std::string& twin) {
 
 void read_params(const YAML::Node& node, RunConfig& c, KeyLocation& loc, ParamsTwins& twins) {
   if (!check_section(node, "params", loc)) return;
-  const auto keys = keys_of(c.task);
+  const TaskSpec& spec = task_spec(c.task);
   std::vector<std::string> candidates;
-  for (const KeySpec* k : keys) candidates.push_back(k->name);
-  if (has_params_twins(c.task)) candidates.insert(candidates.end(), kParamsTwins.begin(), kParamsTwins.end());
+  for (const KeySpec* k : keys_of(c.task)) candidates.push_back(k->name);
+  for (const auto& twin : spec.twins) candidates.push_back(twin.name);
   for_each_entry(node, "params.", loc, [&](const std::string& key, const YAML::Node& k, const YAML::Node& v) {
     const std::string path = "params." + key;
     loc.note(path, k);
@@ -533,7 +563,7 @@ void read_params(const YAML::Node& node, RunConfig& c, KeyLocation& loc, ParamsT
     if (const std::string owners = owners_of(key); !owners.empty() && !is_param_key(c.task, key)) {
       fail("{}key '{}' applies only to {}", loc.at(k), path, owners);
     }
-    if (contains(kParamsTwins, key)) {
+    if (is_twin(spec, key)) {
       twins[key] = key == "chat_template" && v.IsNull() ? "none" : read_string(v, path, loc);
     } else {
       // A top-level or data key put under params by mistake is named with its section.
@@ -556,14 +586,14 @@ void apply_twins(RunConfig& c, const KeyLocation& loc, const ParamsTwins& twins)
   }
 }
 
-Task read_task(const YAML::Node& node, KeyLocation& loc, const YAML::Node& key_node) {
+std::string read_task(const YAML::Node& node, KeyLocation& loc, const YAML::Node& key_node) {
   const std::string name = read_string(node, "task", loc);
   loc.note("task", key_node);
-  auto task = enum_from<Task>(name);
-  if (!task) {
-    fail("{}key 'task' must be one of {}, got '{}'", loc.where("task"), Codec<Task>::names(), excerpt(name));
+  const auto& tasks = task_specs();
+  if (std::none_of(tasks.begin(), tasks.end(), [&](const TaskSpec& t) { return t.name == name; })) {
+    fail("{}key 'task' must be one of {}, got '{}'", loc.where("task"), task_names(), excerpt(name));
   }
-  return *task;
+  return name;
 }
 
 }  // namespace
@@ -576,30 +606,21 @@ bool operator==(const RunConfig& a, const RunConfig& b) {
                     c.data.valid_split, c.data.chat_template, c.data.column_mapping);
   };
   if (top(a) != top(b)) return false;
-  for (const auto& k : common_keys()) {
-    if (!k.same(a, b)) return false;
-  }
-  for (const auto& spec : task_specs()) {
-    for (const auto& k : spec.keys) {
-      if (!k.same(a, b)) return false;
-    }
+  // The same task (compared above): the same keys, its own struct's included.
+  for (const KeySpec* k : keys_of(a.task)) {
+    if (!k->same(a, b)) return false;
   }
   return true;
 }
 
-RunConfig default_config(Task task) {
-  RunConfig c;
-  c.task = task;
+RunConfig default_config(const std::string& task) {
   const TaskSpec& spec = task_spec(task);
+  RunConfig c;
+  c.task = spec.name;
+  c.task_params = spec.params;
   c.model = spec.models.empty() ? "" : spec.models.front();
   if (spec.defaults) spec.defaults(c);
   return c;
-}
-
-RunConfig default_config(const std::string& task) {
-  auto t = enum_from<Task>(task);
-  if (!t) fail("unknown task '{}'; use one of {}", task, Codec<Task>::names());
-  return default_config(*t);
 }
 
 int zero_stage_of(const RunParams& p) {
@@ -683,7 +704,7 @@ RunConfig read_config(const std::string& yaml_text, const std::string& source_na
   check_scalars_are_utf8(root, loc);
 
   // The task decides the defaults and which keys exist, so it is read first.
-  Task task = Task::ImageClassification;
+  std::string task = "image-classification";
   for (auto it = root.begin(); it != root.end(); ++it) {
     if (it->first.IsScalar() && it->first.Scalar() == "task") task = read_task(it->second, loc, it->first);
   }
@@ -702,11 +723,11 @@ RunConfig read_config(const std::string& yaml_text, const std::string& source_na
       c.backend = read_string(v, key, loc);
     } else if (key == "base_model") {
       if (!takes_base_model)
-        fail("{}key 'base_model' applies only to task llm-sft (use 'model')", loc.at(k));
+        fail("{}key 'base_model' is for {} (task {} takes 'model')", loc.at(k), base_model_tasks(), task);
       c.base_model = read_string(v, key, loc);
     } else if (key == "model") {
       if (takes_base_model)
-        fail("{}key 'model' is for image and two-tower tasks; {} takes 'base_model'", loc.at(k), name_of(task));
+        fail("{}key 'model' is for {}; {} takes 'base_model'", loc.at(k), model_tasks(), task);
       c.model = read_string(v, key, loc);
     } else if (key == "project_name") {
       c.project_name = read_string(v, key, loc);
@@ -770,7 +791,7 @@ void apply_flag(RunConfig& c, const std::string& typed, const std::string& value
     } catch (const Error& e) {
       fail("--{} {}: {}", typed, value, e.what());
     }
-    loc.note_flag(contains(kParamsTwins, name) ? twin_data_key(name) : "params." + name, "--" + typed);
+    loc.note_flag(is_twin(task_spec(c.task), name) ? twin_data_key(name) : "params." + name, "--" + typed);
   } else {
     fail("{}", unknown_flag_message(c.task, typed, kTopFlags));
   }
@@ -791,7 +812,7 @@ void set_flag(RunConfig& config, const std::string& name, const std::string& val
   apply_flag(config, name, value, loc);
 }
 
-bool is_flag(Task task, const std::string& name) {
+bool is_flag(const std::string& task, const std::string& name) {
   std::string n = name;
   std::replace(n.begin(), n.end(), '-', '_');
   return contains(kTopFlags, n) || is_param_key(task, n);
@@ -812,7 +833,7 @@ std::string to_yaml(const RunConfig& c) {
   YAML::Emitter out;
   out.SetNullFormat(YAML::LowerNull);
   out << YAML::BeginMap;
-  out << YAML::Key << "task" << YAML::Value << name_of(c.task);
+  out << YAML::Key << "task" << YAML::Value << c.task;
   out << YAML::Key << "backend" << YAML::Value; write_text(out, c.backend);
   if (task_spec(c.task).models.empty()) {
     out << YAML::Key << "base_model" << YAML::Value; write_text(out, c.base_model);
@@ -857,7 +878,7 @@ std::string to_yaml(const RunConfig& c) {
 
 std::string training_params_json(const RunConfig& c) {
   nlohmann::json j = {
-      {"task", name_of(c.task)},
+      {"task", c.task},
       {"model", task_spec(c.task).models.empty() ? c.base_model : c.model},
       {"project_name", c.project_name},
       {"data_path", c.data.path},
@@ -865,10 +886,11 @@ std::string training_params_json(const RunConfig& c) {
       {"valid_split", c.data.valid_split ? nlohmann::json(*c.data.valid_split) : nlohmann::json()},
       {"log", name_of(c.log)},
   };
-  if (has_params_twins(c.task)) {
-    j["chat_template"] = c.data.chat_template;
-    if (auto it = c.data.column_mapping.find("text_column"); it != c.data.column_mapping.end()) {
-      j["text_column"] = it->second;
+  for (const auto& twin : task_spec(c.task).twins) {
+    if (twin.name == "chat_template") {
+      j["chat_template"] = c.data.chat_template;
+    } else if (auto it = c.data.column_mapping.find(twin.name); it != c.data.column_mapping.end()) {
+      j[twin.name] = it->second;
     }
   }
   for (const KeySpec* k : keys_of(c.task)) {
@@ -907,7 +929,7 @@ std::string help_line(const std::string& flag, const std::string& text) {
 
 }  // namespace
 
-std::string keys_help(Task task) {
+std::string keys_help(const std::string& task) {
   const RunConfig defaults = default_config(task);
   std::vector<std::string> groups;
   for (const KeySpec* k : keys_of(task)) {
@@ -925,28 +947,32 @@ std::string keys_help(Task task) {
       out += help_line(flag, k->help + value);
     }
   }
-  if (has_params_twins(task)) {
-    out += "Twins of data: keys (AutoTrain's flat names):\n";
-    out += help_line("--chat-template NAME", "data.chat_template: tokenizer, chatml, llama3 or none [tokenizer]");
-    out += help_line("--text-column NAME", "data.column_mapping.text_column [text] (dpo, orpo, reward: the chosen "
-                                           "completion's column; without it, TRL's chosen)");
-    out += help_line("--prompt-text-column NAME", "data.column_mapping.prompt_text_column: dpo, orpo, reward [prompt]");
-    out += help_line("--rejected-text-column NAME",
-                     "data.column_mapping.rejected_text_column: dpo, orpo, reward [rejected]");
+  const TaskSpec& spec = task_spec(task);
+  if (!spec.twins.empty()) out += "Twins of data: keys (AutoTrain's flat names):\n";
+  for (const auto& twin : spec.twins) {
+    std::string flag = "--" + twin.name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    std::string value = twin.unset;
+    if (twin.name == "chat_template") {
+      value = defaults.data.chat_template;
+    } else if (auto it = defaults.data.column_mapping.find(twin.name); it != defaults.data.column_mapping.end()) {
+      value = it->second;
+    }
+    out += help_line(flag + " NAME", twin.help + (value.empty() ? "" : " [" + value + "]"));
   }
   return out;
 }
 
-bool is_param_key(Task task, const std::string& name) {
-  return find_key(task, name) != nullptr || (has_params_twins(task) && contains(kParamsTwins, name));
+bool is_param_key(const std::string& task, const std::string& name) {
+  return find_key(task, name) != nullptr || is_twin(task_spec(task), name);
 }
 
-bool is_switch_key(Task task, const std::string& name) {
+bool is_switch_key(const std::string& task, const std::string& name) {
   const KeySpec* k = find_key(task, name);
   return k != nullptr && k->is_switch;
 }
 
-std::string unknown_flag_message(Task task, const std::string& typed, const std::vector<std::string>& other_flags) {
+std::string unknown_flag_message(const std::string& task, const std::string& typed, const std::vector<std::string>& other_flags) {
   std::string name = typed;
   std::replace(name.begin(), name.end(), '-', '_');
   if (!is_param_key(task, name)) {
@@ -963,7 +989,7 @@ std::string unknown_flag_message(Task task, const std::string& typed, const std:
       known_as[other] = k->name;
     }
   }
-  if (has_params_twins(task)) candidates.insert(candidates.end(), kParamsTwins.begin(), kParamsTwins.end());
+  for (const auto& twin : task_spec(task).twins) candidates.push_back(twin.name);
   std::string suggestion = did_you_mean(name, candidates);
   if (auto it = known_as.find(suggestion); it != known_as.end()) suggestion = it->second;
   std::replace(suggestion.begin(), suggestion.end(), '_', '-');

@@ -14,11 +14,13 @@
 // value is a replica::Error naming the file, line and key.
 #pragma once
 
+#include <any>
 #include <array>
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -28,12 +30,6 @@ namespace replica::train {
 // order of the enumerators.
 template <class E>
 struct EnumNames;
-
-enum class Task { LlmSft, ImageClassification, TwoTower };
-template <>
-struct EnumNames<Task> {
-  static constexpr std::array<const char*, 3> names = {"llm-sft", "image-classification", "two-tower"};
-};
 
 enum class DistributedBackend { Ddp, Zero3 };
 template <>
@@ -84,12 +80,6 @@ enum class LogFormat { None, Jsonl, TensorBoard };
 template <>
 struct EnumNames<LogFormat> {
   static constexpr std::array<const char*, 3> names = {"none", "jsonl", "tensorboard"};
-};
-
-enum class ResnetStem { ImageNet, Pooled, Small };
-template <>
-struct EnumNames<ResnetStem> {
-  static constexpr std::array<const char*, 3> names = {"imagenet", "pooled", "small"};
 };
 
 template <class E>
@@ -173,65 +163,47 @@ struct RunParams {
   std::string timeline;                     // a Chrome trace of every rank to this file; "" = none
 };
 
-// Task image-classification (table: image_classification.cpp).
-struct ImageParams {
-  std::vector<int64_t> hidden_sizes = {256, 128};  // mlp
-  bool sync_batchnorm = false;                     // resnet18
-  bool augment = false;                            // resnet18
-  ResnetStem resnet_stem = ResnetStem::ImageNet;   // resnet18
-  bool gradient_checkpointing = false;             // resnet18: recompute each stage in backward
-};
+// The task's own `params:` keys: a struct each task defines in its folder (replica/tasks/<task>/)
+// and registers with its TaskSpec (train/task.h). train/ holds it without knowing its type; the
+// task's code and its key table reach it by type (get<LlmParams>()).
+class TaskParams {
+ public:
+  TaskParams() = default;
+  template <class P>
+  explicit TaskParams(P params) : value_(std::move(params)) {}
+  template <class P>
+  P& get() {
+    P* p = std::any_cast<P>(&value_);
+    if (p == nullptr) wrong_type(typeid(P));
+    return *p;
+  }
+  template <class P>
+  const P& get() const {
+    const P* p = std::any_cast<P>(&value_);
+    if (p == nullptr) wrong_type(typeid(P));
+    return *p;
+  }
+  template <class P>
+  bool holds() const {
+    return std::any_cast<P>(&value_) != nullptr;
+  }
 
-// Task two-tower (table: two_tower.cpp).
-struct TwoTowerParams {
-  std::vector<int64_t> hidden_sizes = {64};  // tower MLP
-  int64_t embedding_dim = 32;
-  double temperature = 0.05;
-  int64_t top_k = 10;
-};
-
-// Task llm-sft: AutoTrain's LLMTrainingParams (table: llm_sft.cpp).
-struct LlmParams {
-  std::string trainer = "sft";
-  bool peft = false;
-  int64_t lora_r = 16;
-  int64_t lora_alpha = 32;
-  double lora_dropout = 0.05;
-  std::vector<std::string> target_modules = {"all-linear"};
-  bool merge_adapter = false;
-  int64_t model_max_length = 2048;
-  int64_t block_size = -1;                  // -1: model_max_length
-  std::string padding = "right";
-  bool packing = true;                      // false: one sample per row
-  bool add_eos_token = true;
-  std::string quantization = "none";
-  bool quantize_embeddings = false;         // also the embeddings and lm_head (with quantization)
-  bool disable_gradient_checkpointing = false;
-  bool use_flash_attention_2 = false;
-  bool unsloth = false;
-  double router_aux_loss_coef = -1;         // -1: the model's config.json decides
-  // The alignment trainers (dpo, orpo, reward; replica/tasks/llm_preference), AutoTrain's names
-  // and defaults.
-  std::string init_adapter;                 // peft: start from this PEFT adapter; "" = fresh adapters
-  std::string model_ref;                    // dpo: the reference model; "" = the frozen base
-  double dpo_beta = 0.1;                    // dpo and orpo: beta
-  int64_t max_prompt_length = 128;          // prompt tokens kept (its end)
-  int64_t max_completion_length = -1;       // completion tokens kept (their start); -1: no limit
+ private:
+  [[noreturn]] void wrong_type(const std::type_info& wanted) const;
+  std::any value_;
 };
 
 struct RunConfig {
   std::string source;                       // the YAML file it came from ("" for flags)
-  Task task = Task::ImageClassification;
+  std::string task = "image-classification";  // a registered task's name (task.h)
   std::string backend = "local";
   std::string model = "mlp";                // image tasks: mlp | resnet18; two-tower: two-tower
-  std::string base_model;                   // llm-sft
+  std::string base_model;                   // tasks without `model:` choices (llm-sft)
   std::string project_name;
   LogFormat log = LogFormat::Jsonl;
   DataConfig data;
   RunParams params;
-  ImageParams image;                        // task image-classification
-  TwoTowerParams two_tower;                 // task two-tower
-  LlmParams llm;                            // task llm-sft
+  TaskParams task_params;                   // the task's own keys (its TaskSpec's struct)
 };
 
 // Every key compared (through the key tables); `source` (where it came from) is not.
@@ -240,7 +212,6 @@ inline bool operator!=(const RunConfig& a, const RunConfig& b) { return !(a == b
 
 // The defaults of a task (its table's defaults over the common ones: llm-sft takes AutoTrain's
 // LLMTrainingParams defaults). replica::Error listing the tasks for an unknown name.
-RunConfig default_config(Task task);
 RunConfig default_config(const std::string& task);
 
 // The ZeRO stage of a run (Note [ZeRO stages] in engine.cpp): zero_stage when given; else 3
@@ -264,7 +235,7 @@ void set_param(RunConfig& config, const std::string& key, const std::string& val
 // prompt_column, completion_column). An unknown flag is an error naming it as typed and the
 // nearest valid one; a bad value names the flag.
 void set_flag(RunConfig& config, const std::string& name, const std::string& value);
-bool is_flag(Task task, const std::string& name);
+bool is_flag(const std::string& task, const std::string& name);
 
 // Parses and validates a YAML file; fills the task's defaults; checks that paths exist.
 // Errors name "FILE:LINE: key 'params.lrr' ...". With flags (`replica --config run.yaml
@@ -283,17 +254,17 @@ std::string training_params_json(const RunConfig& config);
 
 // The `params:` keys of a task, as flags: each key's flag, value, default and help, grouped;
 // `replica llm --help` and `replica keys TASK` print it.
-std::string keys_help(Task task);
+std::string keys_help(const std::string& task);
 
 // Whether `name` (underscores) is a params: key of the task (or a params twin), and whether
 // it is a switch (true/false: a bare flag means true).
-bool is_param_key(Task task, const std::string& name);
-bool is_switch_key(Task task, const std::string& name);
+bool is_param_key(const std::string& task, const std::string& name);
+bool is_switch_key(const std::string& task, const std::string& name);
 
 // "unknown flag --lerning-rate (did you mean --lr?)": the flag as typed and the nearest of
 // the task's keys or `other_flags` (underscores), also by the names other tools give a key
 // (learning_rate, num_train_epochs); "flag --lora-r applies only to task llm-sft" for
 // another task's key.
-std::string unknown_flag_message(Task task, const std::string& typed, const std::vector<std::string>& other_flags);
+std::string unknown_flag_message(const std::string& task, const std::string& typed, const std::vector<std::string>& other_flags);
 
 }  // namespace replica::train

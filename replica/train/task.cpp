@@ -2,14 +2,27 @@
 #include "replica/train/task.h"
 
 #include "replica/core/error.h"
+#include "replica/core/text.h"
 
 namespace replica::train {
 
-const TaskSpec& task_spec(Task task) {
-  const auto& tasks = task_specs();
-  const auto i = static_cast<size_t>(task);
-  if (i >= tasks.size() || tasks[i].task != task) fail("task {} is not registered", static_cast<int>(task));
-  return tasks[i];
+std::string task_names() {
+  std::string out;
+  for (const auto& spec : task_specs()) out += (out.empty() ? "" : ", ") + spec.name;
+  return out;
+}
+
+const TaskSpec& task_spec(const std::string& name) {
+  for (const auto& spec : task_specs()) {
+    if (spec.name == name) return spec;
+  }
+  fail("unknown task '{}'; use one of {}", excerpt(name), task_names());
+}
+
+void TaskParams::wrong_type(const std::type_info& wanted) const {
+  // A task's code reading another task's struct: a bug, not an input.
+  fail("internal error: the run's task params hold {}, not {}", value_.has_value() ? value_.type().name() : "nothing",
+       wanted.name());
 }
 
 }  // namespace replica::train

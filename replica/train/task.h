@@ -1,6 +1,6 @@
 // The task registry: each task (llm-sft, image-classification, two-tower) registers, beside
-// its workload, its own `params:` keys, its defaults, the checks that need no worker, and the
-// factory of its workload. The trainer, the config reader and the command line know tasks only
+// its workload, its name, its own `params:` keys (a struct train/ holds as TaskParams), its
+// defaults, the checks that need no worker, and the factory of its workload. The trainer, the config reader and the command line know tasks only
 // through this table, so a new task is one folder under replica/tasks/ and one line in
 // replica/tasks/registry.cpp (the llm trainers dpo, orpo and reward: tasks/llm_preference/).
 #pragma once
@@ -17,14 +17,23 @@ namespace replica::train {
 class Workload;
 struct WorkloadContext;
 
+// A `params:` key of a task that is stored in `data:` (AutoTrain's flat LLMTrainingParams carry
+// chat_template and text_column; replica keeps them where the data's other keys are): chat_template
+// is data.chat_template, any other twin data.column_mapping.<name>.
+struct ParamsTwin {
+  std::string name;
+  std::string help;   // --help's text, without the default
+  std::string unset;  // what --help shows as the default when the task's defaults leave it unset
+};
+
 struct TaskSpec {
-  Task task;
+  std::string name;                        // `task:` in YAML: llm-sft, image-classification, ...
   std::string summary;                     // one line for --help
-  std::vector<KeySpec> keys;               // the params: keys only this task has
+  TaskParams params;                       // the task's own keys' struct, at its defaults
+  std::vector<KeySpec> keys;               // the params: keys only this task has (fields of `params`)
   std::vector<std::string> models;         // allowed `model:` values; empty: the task takes base_model
-  // AutoTrain's flat LLMTrainingParams names of data keys (chat_template, text_column,
-  // prompt_text_column, rejected_text_column) are params: keys of this task too.
-  bool params_twins = false;
+  std::vector<std::string> columns;        // the data.column_mapping keys it reads
+  std::vector<ParamsTwin> twins;           // its params: keys stored in data:
   void (*defaults)(RunConfig&) = nullptr;  // the task's defaults over the common ones
   // What can be refused before any worker starts (files, unsupported features);
   // replica::Error naming the key.
@@ -32,18 +41,16 @@ struct TaskSpec {
   std::unique_ptr<Workload> (*make)(const RunConfig&, const WorkloadContext&) = nullptr;
 };
 
-// Every task, in EnumNames<Task> order. Defined above train/, by the task registry
+// Every task, in the order --help lists them. Defined above train/, by the task registry
 // (replica/tasks/registry.cpp): train/ knows tasks only through this table.
 const std::vector<TaskSpec>& task_specs();
-const TaskSpec& task_spec(Task task);
+// The task registered as `name`; replica::Error listing the tasks for another name.
+const TaskSpec& task_spec(const std::string& name);
+// "llm-sft, image-classification, two-tower", for messages.
+std::string task_names();
 
 // The keys every task has (run control, engine, training loop), in the order config.yaml
 // writes them; run_config.cpp.
 const std::vector<KeySpec>& common_keys();
-
-// The registrations, each beside its workload.
-TaskSpec llm_sft_task();
-TaskSpec image_classification_task();
-TaskSpec two_tower_task();
 
 }  // namespace replica::train

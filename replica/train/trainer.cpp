@@ -348,7 +348,7 @@ int run_worker(const RunConfig& config) {
   if (!p.timeline.empty()) timeline_file = p.timeline;
   if (timeline_file) obs::Timeline::instance().enable(pg->rank());
   if (main) {
-    spdlog::info("replica: task {} on {} worker{} ({} thread{} each, {}), backend {}", name_of(config.task),
+    spdlog::info("replica: task {} on {} worker{} ({} thread{} each, {}), backend {}", config.task,
                  pg->size(), pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s",
                  device.is_cuda() ? "cuda:LOCAL_RANK" : "cpu", name_of(p.distributed_backend));
   }

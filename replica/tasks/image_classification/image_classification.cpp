@@ -21,6 +21,7 @@
 #include "replica/distributed/world.h"
 #include "replica/models/mlp.h"
 #include "replica/models/resnet.h"
+#include "replica/tasks/image_classification/image_classification.h"
 #include "replica/train/task.h"
 #include "replica/train/workload.h"
 
@@ -65,9 +66,9 @@ torch::Tensor augment(const torch::Tensor& x, torch::Generator& gen) {
 class ImageClassification final : public Workload {
  public:
   ImageClassification(const RunConfig& config, const WorkloadContext& context)
-      : context_(context), kind_(config.model), hidden_(config.image.hidden_sizes), augment_(config.image.augment),
-        stem_(name_of(config.image.resnet_stem)), sync_batchnorm_(config.image.sync_batchnorm),
-        gradient_checkpointing_(config.image.gradient_checkpointing) {
+      : context_(context), kind_(config.model), hidden_(image_params(config).hidden_sizes), augment_(image_params(config).augment),
+        stem_(name_of(image_params(config).resnet_stem)), sync_batchnorm_(image_params(config).sync_batchnorm),
+        gradient_checkpointing_(image_params(config).gradient_checkpointing) {
     const auto& pg = context.pg;
     const std::string where = config.source.empty() ? "config" : config.source;
     if (kind_ != "mlp" && kind_ != "resnet18") {
@@ -251,21 +252,22 @@ class ImageClassification final : public Workload {
 
 TaskSpec image_classification_task() {
   TaskSpec t;
-  t.task = Task::ImageClassification;
+  t.name = "image-classification";
+  t.params = TaskParams(ImageParams{});
+  // IDX files have no columns: no column_mapping.
   t.summary = "Fashion-MNIST (IDX files) with an MLP or a ResNet-18";
   t.models = {"mlp", "resnet18"};
-  const auto i = &RunConfig::image;
   using I = ImageParams;
   t.keys = {
-      key("hidden_sizes", i, &I::hidden_sizes, "mlp: widths of the hidden layers")
+      key("hidden_sizes", &I::hidden_sizes, "mlp: widths of the hidden layers")
           .group("Model")
           .check(models::layer_widths_problem),
-      key("sync_batchnorm", i, &I::sync_batchnorm, "resnet18: batch statistics across all workers").group("Model"),
-      key("augment", i, &I::augment, "resnet18: random crop (padding 4) and horizontal flip").group("Model"),
-      key("resnet_stem", i, &I::resnet_stem,
+      key("sync_batchnorm", &I::sync_batchnorm, "resnet18: batch statistics across all workers").group("Model"),
+      key("augment", &I::augment, "resnet18: random crop (padding 4) and horizontal flip").group("Model"),
+      key("resnet_stem", &I::resnet_stem,
           "resnet18: imagenet (7x7/2 conv + max-pool), pooled (3x3/1 + max-pool) or small (3x3/1)")
           .group("Model"),
-      key("gradient_checkpointing", i, &I::gradient_checkpointing,
+      key("gradient_checkpointing", &I::gradient_checkpointing,
           "resnet18: recompute each stage's activations in backward instead of keeping them (activation "
           "checkpointing: less memory, one more forward; BatchNorm statistics updated once)")
           .group("Model"),

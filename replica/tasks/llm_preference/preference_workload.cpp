@@ -31,7 +31,7 @@ using train::WorkloadContext;
 enum class Trainer { Dpo, Orpo, Reward };
 
 Trainer trainer_of(const RunConfig& config) {
-  const std::string& t = config.llm.trainer;
+  const std::string& t = llm_params(config).trainer;
   if (t == "dpo") return Trainer::Dpo;
   if (t == "orpo") return Trainer::Orpo;
   if (t == "reward") return Trainer::Reward;
@@ -98,12 +98,12 @@ std::vector<std::pair<ScoredSequence, ScoredSequence>> encode_pairs(const Prefer
 
 PreferenceOptions preference_options(const RunConfig& config) {
   PreferenceOptions o;
-  const std::string& t = config.llm.trainer;
+  const std::string& t = llm_params(config).trainer;
   o.format = t == "orpo" ? PreferenceFormat::Orpo : t == "reward" ? PreferenceFormat::Reward : PreferenceFormat::Dpo;
   o.chat_template = config.data.chat_template;
   o.column_mapping = config.data.column_mapping;
-  o.max_prompt_length = config.llm.max_prompt_length > 0 ? config.llm.max_prompt_length : 0;
-  o.max_completion_length = config.llm.max_completion_length > 0 ? config.llm.max_completion_length : 0;
+  o.max_prompt_length = llm_params(config).max_prompt_length > 0 ? llm_params(config).max_prompt_length : 0;
+  o.max_completion_length = llm_params(config).max_completion_length > 0 ? llm_params(config).max_completion_length : 0;
   const auto settings = train::llm_sft_settings(config);
   o.max_length = settings.block_size;  // AutoTrain passes block_size as TRL's max_length
   return o;
@@ -116,14 +116,14 @@ class PreferenceWorkload final : public train::Workload {
     train::check_llm_sft_config(config);
     check_preference_config(config);
     const bool main = context.is_main();
-    const std::string tag = "llm-" + config.llm.trainer;
+    const std::string tag = "llm-" + llm_params(config).trainer;
     models::HfExtraTensors extra;
     if (trainer_ == Trainer::Reward) {
       extra.take = {"score.weight"};
       extra.may_be_missing = {"lm_head.weight"};
     }
     llm_ = train::load_llm_for_training(config, context, tag, &lora_, &extra);
-    beta_ = config.llm.dpo_beta;
+    beta_ = llm_params(config).dpo_beta;
 
     PreferenceEncoder encoder(config.base_model, preference_options(config));
     const auto& tok = encoder.tokenizer();
@@ -163,9 +163,9 @@ class PreferenceWorkload final : public train::Workload {
       }
     }
     if (trainer_ == Trainer::Dpo) {
-      if (!config.llm.model_ref.empty()) {
+      if (!llm_params(config).model_ref.empty()) {
         // A reference model of its own: frozen, never trained, in the policy's dtype.
-        reference_ = models::load_hf_model(config.llm.model_ref, train::base_weight_dtype(config));
+        reference_ = models::load_hf_model(llm_params(config).model_ref, train::base_weight_dtype(config));
         check_same_vocabulary(reference_->config().vocab_size);
       } else if (!settings_.peft) {
         // Full fine-tuning: a frozen copy of the base, as TRL's create_reference_model.
@@ -178,7 +178,7 @@ class PreferenceWorkload final : public train::Workload {
       }
       if (main) {
         spdlog::info("{}: reference model: {}", tag,
-                     !config.llm.model_ref.empty() ? config.llm.model_ref
+                     !llm_params(config).model_ref.empty() ? llm_params(config).model_ref
                      : settings_.peft              ? std::string("the base with the adapters disabled (no second copy)")
                                                    : std::string("a frozen copy of the base"));
       }
@@ -292,7 +292,7 @@ class PreferenceWorkload final : public train::Workload {
         } else {
           const std::string merged = (fs::path(final_dir).parent_path() / "merged").string();
           models::merge_adapter_dir(config_.base_model, final_dir, merged);
-          spdlog::info("llm-{}: merged model in {}", config_.llm.trainer, merged);
+          spdlog::info("llm-{}: merged model in {}", llm_params(config_).trainer, merged);
         }
       }
       return;
@@ -336,7 +336,7 @@ class PreferenceWorkload final : public train::Workload {
   void check_same_vocabulary(int64_t ref_vocab) const {
     if (ref_vocab != llm_->config().vocab_size) {
       fail("params.model_ref '{}' has vocab_size {}, the model {} has {}: the reference must share the tokenizer",
-           config_.llm.model_ref, ref_vocab, config_.base_model, llm_->config().vocab_size);
+           llm_params(config_).model_ref, ref_vocab, config_.base_model, llm_->config().vocab_size);
     }
   }
 
@@ -407,20 +407,20 @@ class PreferenceWorkload final : public train::Workload {
 }  // namespace
 
 void check_preference_config(const RunConfig& config) {
-  const std::string& t = config.llm.trainer;
+  const std::string& t = llm_params(config).trainer;
   if (t == "sft") return;
-  if (!config.llm.model_ref.empty()) {
+  if (!llm_params(config).model_ref.empty()) {
     if (t != "dpo") fail("params.model_ref is DPO's reference model; trainer {} has none (leave model_ref unset)", t);
-    if (!fs::is_directory(config.llm.model_ref)) fail("params.model_ref '{}' is not a model directory", config.llm.model_ref);
+    if (!fs::is_directory(llm_params(config).model_ref)) fail("params.model_ref '{}' is not a model directory", llm_params(config).model_ref);
   }
-  if (!(config.llm.dpo_beta > 0)) fail("params.dpo_beta must be > 0, got {}", config.llm.dpo_beta);
+  if (!(llm_params(config).dpo_beta > 0)) fail("params.dpo_beta must be > 0, got {}", llm_params(config).dpo_beta);
   if (t == "orpo") {
     // TRL's ORPO cuts a completion to block_size - max_prompt_length tokens when a pair is too long.
     const int64_t block_size = train::llm_sft_settings(config).block_size;
-    if (block_size <= config.llm.max_prompt_length) {
+    if (block_size <= llm_params(config).max_prompt_length) {
       fail("params.block_size {} must be larger than params.max_prompt_length {} for trainer orpo (a pair too long "
            "keeps block_size - max_prompt_length completion tokens)",
-           block_size, config.llm.max_prompt_length);
+           block_size, llm_params(config).max_prompt_length);
     }
   }
 }

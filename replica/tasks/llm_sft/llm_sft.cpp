@@ -358,7 +358,7 @@ PackedBatch make_packed_batch(const std::vector<SftSample>& samples, const std::
 // Settings and checks
 
 LlmSftSettings llm_sft_settings(const RunConfig& config) {
-  const LlmParams& p = config.llm;
+  const LlmParams& p = llm_params(config);
   LlmSftSettings s;
   s.peft = p.peft;
   s.lora.r = p.lora_r;
@@ -379,25 +379,25 @@ LlmSftSettings llm_sft_settings(const RunConfig& config) {
 
 // params.quantization and params.quantize_embeddings as the loader takes them.
 models::QuantOptions quant_options_of(const RunConfig& config) {
-  auto options = models::quant_options(config.llm.quantization, "params.quantization");
-  options.embeddings = config.llm.quantize_embeddings;
+  auto options = models::quant_options(llm_params(config).quantization, "params.quantization");
+  options.embeddings = llm_params(config).quantize_embeddings;
   return options;
 }
 
 void check_llm_sft_config(const RunConfig& config) {
   const LlmSftSettings s = llm_sft_settings(config);
-  if (config.llm.quantize_embeddings && !quant_options_of(config).enabled()) {
+  if (llm_params(config).quantize_embeddings && !quant_options_of(config).enabled()) {
     fail("quantize_embeddings: true needs quantization int4 or int8 (it holds the embeddings and lm_head in that "
          "format); quantization is {}",
-         config.llm.quantization);
+         llm_params(config).quantization);
   }
   if (quant_options_of(config).enabled()) {
     // QLoRA: the quantized base is frozen, only adapters over it train (models/quant.h).
-    if (!config.llm.peft) {
+    if (!llm_params(config).peft) {
       fail("quantization {} needs peft: true: a quantized base is frozen and only LoRA adapters train over it "
            "(QLoRA); full fine-tuning of quantized weights is not supported (set peft: true, or quantization: "
            "none to fine-tune every weight)",
-           config.llm.quantization);
+           llm_params(config).quantization);
     }
     if (zero_stage_of(config.params) == 3) {
       // ZeRO-3 shards and gathers parameters; the quantized weights are codes beside the
@@ -408,22 +408,22 @@ void check_llm_sft_config(const RunConfig& config) {
            "parameters and a quantized base is held as codes that are not parameters; use distributed_backend "
            "ddp (zero_stage 0-2; each worker holds the whole base, about a quarter of its fp16 bytes with int4) "
            "or quantization none",
-           config.llm.quantization);
+           llm_params(config).quantization);
     }
   }
-  if (!config.llm.init_adapter.empty()) {
-    if (!config.llm.peft) fail("params.init_adapter '{}' needs peft: true (it holds LoRA adapters)", config.llm.init_adapter);
-    if (!fs::is_directory(config.llm.init_adapter)) {
-      fail("params.init_adapter '{}' is not an adapter directory", config.llm.init_adapter);
+  if (!llm_params(config).init_adapter.empty()) {
+    if (!llm_params(config).peft) fail("params.init_adapter '{}' needs peft: true (it holds LoRA adapters)", llm_params(config).init_adapter);
+    if (!fs::is_directory(llm_params(config).init_adapter)) {
+      fail("params.init_adapter '{}' is not an adapter directory", llm_params(config).init_adapter);
     }
-    const auto adapter = models::read_adapter_config(config.llm.init_adapter);
-    const bool reward = config.llm.trainer == "reward";
+    const auto adapter = models::read_adapter_config(llm_params(config).init_adapter);
+    const bool reward = llm_params(config).trainer == "reward";
     if ((adapter.task_type == "SEQ_CLS") != reward) {
-      fail("params.init_adapter '{}' is a {} adapter; trainer {} needs a {} one", config.llm.init_adapter,
-           adapter.task_type, config.llm.trainer, reward ? "SEQ_CLS (reward model)" : "CAUSAL_LM");
+      fail("params.init_adapter '{}' is a {} adapter; trainer {} needs a {} one", llm_params(config).init_adapter,
+           adapter.task_type, llm_params(config).trainer, reward ? "SEQ_CLS (reward model)" : "CAUSAL_LM");
     }
   }
-  if (config.llm.unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
+  if (llm_params(config).unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
   const fs::path model(config.base_model);
   if (!fs::is_directory(model)) fail("base_model '{}' is not a model directory", config.base_model);
   if (!fs::exists(model / "config.json")) fail("base_model '{}' has no config.json", config.base_model);
@@ -470,9 +470,9 @@ models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const Wo
                  m.bytes / kMiB, static_cast<double>(m.bytes) / static_cast<double>(m.fp16_bytes),
                  quant.embeddings ? "norms" : "embeddings, head and norms", models::dtype_to_string(dtype));
   }
-  if (config.llm.router_aux_loss_coef >= 0) {
+  if (llm_params(config).router_aux_loss_coef >= 0) {
     try {
-      model->set_router_aux_loss(config.llm.router_aux_loss_coef);
+      model->set_router_aux_loss(llm_params(config).router_aux_loss_coef);
     } catch (const Error& e) {
       fail("params.router_aux_loss_coef: {} ({})", e.what(), config.base_model);
     }
@@ -482,14 +482,14 @@ models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const Wo
                  model->config().router_aux_loss_coef);
   }
   // AutoTrain's default: every decoder layer recomputed in backward (models/recompute.h).
-  model->model->set_gradient_checkpointing(!config.llm.disable_gradient_checkpointing);
+  model->model->set_gradient_checkpointing(!llm_params(config).disable_gradient_checkpointing);
   if (settings.peft) {
     std::vector<std::string> adapted;
-    if (!config.llm.init_adapter.empty()) {
+    if (!llm_params(config).init_adapter.empty()) {
       // Continue an adapter: its own LoraConfig, its weights (a reward model's score head to
       // `extra`, which the reward workload reads as it reads a checkpoint's head).
       io::NamedTensors whole;
-      *lora = models::load_adapter(*model, config.llm.init_adapter, extra ? &whole : nullptr);
+      *lora = models::load_adapter(*model, llm_params(config).init_adapter, extra ? &whole : nullptr);
       lora->base_model_name_or_path = config.base_model;
       for (auto& [name, tensor] : whole) extra->taken[name] = tensor;
       for (const auto& item : model->named_modules()) {
@@ -497,7 +497,7 @@ models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const Wo
           adapted.push_back(item.key());
         }
       }
-      if (main) spdlog::info("{}: LoRA adapters start from {}", tag, config.llm.init_adapter);
+      if (main) spdlog::info("{}: LoRA adapters start from {}", tag, llm_params(config).init_adapter);
     } else {
       *lora = settings.lora;
       adapted = models::apply_lora(*model, *lora);
@@ -734,87 +734,96 @@ std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadCo
 
 TaskSpec llm_sft_task() {
   TaskSpec t;
-  t.task = Task::LlmSft;
+  t.name = "llm-sft";
+  t.params = TaskParams(LlmParams{});
   t.summary =
       "fine-tuning of a Llama-family model (full or LoRA), AutoTrain's LLMTrainingParams: trainers sft, dpo, orpo, "
       "reward";
-  t.params_twins = true;
-  const auto l = &RunConfig::llm;
+  t.columns = {"text_column", "messages_column", "prompt_column", "completion_column", "prompt_text_column",
+               "rejected_text_column"};
+  t.twins = {
+      {"chat_template", "data.chat_template: tokenizer, chatml, llama3 or none", ""},
+      {"text_column",
+       "data.column_mapping.text_column (dpo, orpo, reward: the chosen completion's column; without it, TRL's chosen)",
+       ""},
+      {"prompt_text_column", "data.column_mapping.prompt_text_column: dpo, orpo, reward", "prompt"},
+      {"rejected_text_column", "data.column_mapping.rejected_text_column: dpo, orpo, reward", "rejected"},
+  };
   using L = LlmParams;
   t.keys = {
-      key("trainer", l, &L::trainer,
+      key("trainer", &L::trainer,
           "the trainer: sft (supervised fine-tuning), dpo (direct preference optimization), orpo (odds-ratio "
           "preference optimization), reward (a reward model: the decoder with a scalar score head)")
           .group("LLM")
           .one_of({"sft", "dpo", "orpo", "reward"})
           .alias("default", "sft"),  // AutoTrain's name for plain SFT
-      key("peft", l, &L::peft, "train LoRA adapters on the frozen model instead of every weight").group("LoRA"),
-      key("lora_r", l, &L::lora_r, "LoRA rank").group("LoRA").at_least(1),
-      key("lora_alpha", l, &L::lora_alpha, "LoRA scale numerator (scale = alpha / r)").group("LoRA").at_least(1),
-      key("lora_dropout", l, &L::lora_dropout, "dropout on the adapters' input")
+      key("peft", &L::peft, "train LoRA adapters on the frozen model instead of every weight").group("LoRA"),
+      key("lora_r", &L::lora_r, "LoRA rank").group("LoRA").at_least(1),
+      key("lora_alpha", &L::lora_alpha, "LoRA scale numerator (scale = alpha / r)").group("LoRA").at_least(1),
+      key("lora_dropout", &L::lora_dropout, "dropout on the adapters' input")
           .group("LoRA")
           .fraction(),
-      key("target_modules", l, &L::target_modules,
+      key("target_modules", &L::target_modules,
           "the adapted linears: all-linear, or names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
           .group("LoRA"),
-      key("init_adapter", l, &L::init_adapter,
+      key("init_adapter", &L::init_adapter,
           "peft: start from this PEFT adapter directory instead of fresh adapters (its r, lora_alpha, dropout and "
           "target modules; a reward model's also its score head): continue training an adapter, e.g. DPO after SFT")
           .group("LoRA")
           .null_is(""),
-      key("merge_adapter", l, &L::merge_adapter, "also fold the adapter into the base model: project_name/merged/").group("LoRA"),
-      key("model_max_length", l, &L::model_max_length, "samples are truncated to this many tokens")
+      key("merge_adapter", &L::merge_adapter, "also fold the adapter into the base model: project_name/merged/").group("LoRA"),
+      key("model_max_length", &L::model_max_length, "samples are truncated to this many tokens")
           .group("LLM")
           .at_least(1),
-      key("block_size", l, &L::block_size, "row length: packed rows hold up to this many tokens, and samples are "
+      key("block_size", &L::block_size, "row length: packed rows hold up to this many tokens, and samples are "
           "truncated to it (-1: model_max_length)")
           .group("LLM")
           .off_or_at_least(-1, 1, "model_max_length"),
-      key("packing", l, &L::packing,
+      key("packing", &L::packing,
           "pack samples first-fit into rows of block_size (AutoTrain's SFT always packs); false: one sample per row")
           .group("LLM"),
-      key("padding", l, &L::padding,
+      key("padding", &L::padding,
           "side a row shorter than its micro-batch's longest is padded on: right or left (pads are never attended "
           "nor trained on; positions start at 0 at a sample's first token either way)")
           .group("LLM")
           .one_of({"right", "left"}),
-      key("add_eos_token", l, &L::add_eos_token, "end every text sample with the tokenizer's EOS").group("LLM"),
-      key("quantization", l, &L::quantization,
+      key("add_eos_token", &L::add_eos_token, "end every text sample with the tokenizer's EOS").group("LLM"),
+      key("quantization", &L::quantization,
           "QLoRA: the frozen base's decoder linears held quantized, dequantized per layer on the fly (needs peft; "
           "int4: NF4, blocks of 64, double-quantized absmax, ~0.26x fp16; int8: per-row absmax, ~0.5x)")
           .group("LLM")
           .one_of({"none", "int4", "int8"})
           .null_is("none"),
-      key("quantize_embeddings", l, &L::quantize_embeddings,
+      key("quantize_embeddings", &L::quantize_embeddings,
           "with quantization: hold the token embeddings and an untied lm_head in the same format too (bitsandbytes "
           "keeps them in 16 bits; they are 2 x vocab x hidden weights, a large share of a small model's base)")
           .group("LLM"),
-      key("disable_gradient_checkpointing", l, &L::disable_gradient_checkpointing,
+      key("disable_gradient_checkpointing", &L::disable_gradient_checkpointing,
           "keep every decoder layer's activations instead of recomputing them in backward (activation "
           "checkpointing, on by default as in AutoTrain: less memory, one more forward)")
           .group("LLM"),
-      key("use_flash_attention_2", l, &L::use_flash_attention_2,
+      key("use_flash_attention_2", &L::use_flash_attention_2,
           "accepted for AutoTrain configs (attention is always PyTorch's fused SDPA)")
           .group("LLM"),
-      key("unsloth", l, &L::unsloth, "Unsloth's kernels (CUDA-only: refused)").group("LLM"),
-      key("router_aux_loss_coef", l, &L::router_aux_loss_coef,
+      key("unsloth", &L::unsloth, "Unsloth's kernels (CUDA-only: refused)").group("LLM"),
+      key("router_aux_loss_coef", &L::router_aux_loss_coef,
           "mixture-of-experts models (gpt_oss): add this times the router's load-balancing loss to the training "
           "loss, averaged over micro-batches and workers (transformers' output_router_logits; 0: off)")
           .group("LLM")
           .off_or_at_least(-1.0, 0.0, "as the model's config.json says: off in the published checkpoints"),
-      key("model_ref", l, &L::model_ref,
+      key("model_ref", &L::model_ref,
           "dpo: the reference model's directory (default: the frozen base; with peft, the base with the adapters "
           "disabled, no second copy)")
           .group("Preference (dpo, orpo, reward)")
           .null_is(""),
-      key("dpo_beta", l, &L::dpo_beta, "dpo and orpo: beta (DPO: the KL penalty's weight; ORPO: the odds-ratio term's)")
+      key("dpo_beta", &L::dpo_beta, "dpo and orpo: beta (DPO: the KL penalty's weight; ORPO: the odds-ratio term's)")
           .group("Preference (dpo, orpo, reward)")
           .positive(),
-      key("max_prompt_length", l, &L::max_prompt_length,
+      key("max_prompt_length", &L::max_prompt_length,
           "preference trainers: a prompt keeps its last this many tokens")
           .group("Preference (dpo, orpo, reward)")
           .at_least(1),
-      key("max_completion_length", l, &L::max_completion_length,
+      key("max_completion_length", &L::max_completion_length,
           "preference trainers: a completion keeps its first this many tokens (-1: no limit)")
           .group("Preference (dpo, orpo, reward)")
           .null_is(-1)

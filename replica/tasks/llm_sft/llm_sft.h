@@ -45,7 +45,9 @@
 // unquantized base, which it loads onto.
 #pragma once
 
+#include "replica/tasks/llm_sft/llm_params.h"
 #include "replica/train/run_config.h"
+#include "replica/train/task.h"
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/lora.h"
 #include "replica/text/chat_template.h"
@@ -153,6 +155,10 @@ struct LlmSftSettings {
 LlmSftSettings llm_sft_settings(const RunConfig& config);
 
 std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadContext& context);
+
+// The task's registration: its keys (LlmParams), defaults (AutoTrain's), checks and the SFT
+// workload; the registry adds the preference trainers (replica/tasks/registry.cpp).
+TaskSpec llm_sft_task();
 
 // The model of an llm run as training starts, whatever the trainer: loaded in the dtype and
 // quantization the keys say (peft with bf16: a bf16 base under fp32 adapters), the router's

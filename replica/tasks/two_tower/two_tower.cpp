@@ -17,6 +17,7 @@
 // Evaluation: each validation interaction is a query (its user) with one relevant item,
 // ranked against every item of the catalogue: eval_recall_at_K, eval_ndcg_at_K, eval_accuracy
 // (the relevant item ranked first) and eval_loss (full-softmax cross-entropy).
+#include "replica/tasks/two_tower/two_tower.h"
 #include "replica/train/task.h"
 #include "replica/train/workload.h"
 
@@ -260,7 +261,7 @@ ColumnNames id_columns(const RunConfig& config) {
 class TwoTowerWorkload final : public Workload {
  public:
   TwoTowerWorkload(const RunConfig& config, const WorkloadContext& context)
-      : context_(context), pg_(context.pg), temperature_(config.two_tower.temperature), top_k_(config.two_tower.top_k) {
+      : context_(context), pg_(context.pg), temperature_(two_tower_params(config).temperature), top_k_(two_tower_params(config).top_k) {
     ColumnNames names = id_columns(config);
     train_ = read_split(config, config.data.train_split, names, /*discover=*/true);
     if (config.data.valid_split) valid_ = read_split(config, *config.data.valid_split, names, /*discover=*/false);
@@ -279,9 +280,9 @@ class TwoTowerWorkload final : public Workload {
     o.num_items = vocab(item_column_);
     for (const auto& f : user_features_) o.user_feature_vocab.push_back(vocab(f));
     for (const auto& f : item_features_) o.item_feature_vocab.push_back(vocab(f));
-    o.embedding_dim = config.two_tower.embedding_dim;
-    o.output_dim = config.two_tower.embedding_dim;
-    o.hidden_sizes = config.two_tower.hidden_sizes;
+    o.embedding_dim = two_tower_params(config).embedding_dim;
+    o.output_dim = two_tower_params(config).embedding_dim;
+    o.hidden_sizes = two_tower_params(config).hidden_sizes;
     check_model_size(o, config.source.empty() ? "config" : config.source);
     model_ = models::TwoTower(o);
 
@@ -402,24 +403,25 @@ void check_two_tower_config(const RunConfig& config) {
 
 TaskSpec two_tower_task() {
   TaskSpec t;
-  t.task = Task::TwoTower;
+  t.name = "two-tower";
+  t.params = TaskParams(TwoTowerParams{});
+  t.columns = {"user_column", "item_column"};
   t.summary = "a two-tower recommender (user and item towers, in-batch softmax) on MDS shards or JSONL";
   t.models = {"two-tower"};
-  const auto tt = &RunConfig::two_tower;
   using T = TwoTowerParams;
   t.keys = {
-      key("hidden_sizes", tt, &T::hidden_sizes, "widths of each tower's hidden layers")
+      key("hidden_sizes", &T::hidden_sizes, "widths of each tower's hidden layers")
           .group("Model")
           .check(models::layer_widths_problem),
-      key("embedding_dim", tt, &T::embedding_dim, "id and feature embeddings; also each tower's output")
+      key("embedding_dim", &T::embedding_dim, "id and feature embeddings; also each tower's output")
           .group("Model")
           .at_least(1)
           .check([](const int64_t& d) {
             return d > models::kMaxLayerWidth ? fmt::format("must be <= {}, got {}", models::kMaxLayerWidth, d)
                                               : std::string();
           }),
-      key("temperature", tt, &T::temperature, "in-batch softmax temperature").group("Model").positive(),
-      key("top_k", tt, &T::top_k, "k of eval_recall_at_k and eval_ndcg_at_k").group("Model").at_least(1),
+      key("temperature", &T::temperature, "in-batch softmax temperature").group("Model").positive(),
+      key("top_k", &T::top_k, "k of eval_recall_at_k and eval_ndcg_at_k").group("Model").at_least(1),
   };
   t.defaults = [](RunConfig& c) {
     c.data.valid_split = "valid";  // the split directories `replica mds synthetic` writes

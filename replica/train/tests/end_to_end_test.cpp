@@ -8,6 +8,7 @@
 #include "replica/testing/program_runner.h"
 #include "replica/train/tests/tensor_files.h"
 #include "replica/train/run_config.h"
+#include "replica/tasks/image_classification/image_classification.h"
 #include "replica/io/safetensors.h"
 
 #include <arpa/inet.h>
@@ -605,7 +606,7 @@ TEST_F(EndToEnd, RunLeavesTheDocumentedArtifacts) {
   EXPECT_EQ(resolved.params.batch_size, 32);
   EXPECT_EQ(resolved.params.optimizer, replica::train::OptimizerKind::Sgd);
   EXPECT_EQ(resolved.params.checkpoint_every, 10);
-  EXPECT_EQ(resolved.image.hidden_sizes, (std::vector<int64_t>{64}));
+  EXPECT_EQ(image_params(resolved).hidden_sizes, (std::vector<int64_t>{64}));
   EXPECT_EQ(resolved.project_name, p.string());
   ASSERT_TRUE(resolved.data.valid_split.has_value());
   EXPECT_EQ(*resolved.data.valid_split, "t10k");

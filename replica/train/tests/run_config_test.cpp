@@ -1,4 +1,7 @@
 #include "replica/train/run_config.h"
+#include "replica/tasks/image_classification/image_classification.h"
+#include "replica/tasks/llm_sft/llm_params.h"
+#include "replica/tasks/two_tower/two_tower.h"
 
 #include "replica/core/error.h"
 #include "replica/core/suggest.h"
@@ -90,7 +93,7 @@ TEST_F(ConfigTest, ParsesTheProductExample) {
       model_, data_);
   RunConfig c = parse_config(yaml, "run.yaml");
   EXPECT_EQ(c.source, "run.yaml");
-  EXPECT_EQ(c.task, Task::LlmSft);
+  EXPECT_EQ(c.task, "llm-sft");
   EXPECT_EQ(c.backend, "local");
   EXPECT_EQ(c.base_model, model_);
   EXPECT_EQ(c.project_name, "out/my-model");
@@ -106,18 +109,18 @@ TEST_F(ConfigTest, ParsesTheProductExample) {
   EXPECT_EQ(c.params.batch_size, 2);
   EXPECT_EQ(c.params.gradient_accumulation, 4);
   EXPECT_EQ(c.params.mixed_precision, Precision::Bf16);
-  EXPECT_TRUE(c.llm.peft);
-  EXPECT_EQ(c.llm.lora_r, 16);
+  EXPECT_TRUE(llm_params(c).peft);
+  EXPECT_EQ(llm_params(c).lora_r, 16);
   // AutoTrain LLMTrainingParams defaults for what the example leaves out.
   EXPECT_DOUBLE_EQ(c.params.lr, 3e-5);
   EXPECT_EQ(c.params.scheduler, SchedulerKind::Linear);
   EXPECT_EQ(c.params.optimizer, OptimizerKind::AdamW);
   EXPECT_DOUBLE_EQ(c.params.warmup_ratio, 0.1);
-  EXPECT_EQ(c.llm.lora_alpha, 32);
-  EXPECT_DOUBLE_EQ(c.llm.lora_dropout, 0.05);
-  EXPECT_EQ(c.llm.target_modules, std::vector<std::string>{"all-linear"});
-  EXPECT_EQ(c.llm.model_max_length, 2048);
-  EXPECT_FALSE(c.llm.merge_adapter);
+  EXPECT_EQ(llm_params(c).lora_alpha, 32);
+  EXPECT_DOUBLE_EQ(llm_params(c).lora_dropout, 0.05);
+  EXPECT_EQ(llm_params(c).target_modules, std::vector<std::string>{"all-linear"});
+  EXPECT_EQ(llm_params(c).model_max_length, 2048);
+  EXPECT_FALSE(llm_params(c).merge_adapter);
 }
 
 TEST_F(ConfigTest, ImageClassificationExampleAndDefaults) {
@@ -144,13 +147,14 @@ TEST_F(ConfigTest, ImageClassificationExampleAndDefaults) {
   EXPECT_EQ(c.data.valid_split, std::optional<std::string>("t10k"));  // absent: t10k
   EXPECT_EQ(c.params.nproc_per_node, 4);
   EXPECT_EQ(c.params.batch_size, 32);
-  EXPECT_EQ(c.image.hidden_sizes, (std::vector<int64_t>{512, 256, 64}));
+  EXPECT_EQ(image_params(c).hidden_sizes, (std::vector<int64_t>{512, 256, 64}));
   EXPECT_EQ(c.params.optimizer, OptimizerKind::Sgd);
   EXPECT_DOUBLE_EQ(c.params.lr, 0.1);
   EXPECT_TRUE(c.params.deterministic);
   EXPECT_EQ(c.params.epochs, 1);
   EXPECT_EQ(c.params.gradient_accumulation, 1);
-  EXPECT_EQ(c.llm.lora_r, LlmParams{}.lora_r);  // the LLM keys untouched
+  EXPECT_TRUE(c.task_params.holds<ImageParams>());  // its own keys only: no LLM section
+  EXPECT_FALSE(c.task_params.holds<LlmParams>());
 
   const RunConfig d = default_config("image-classification");
   EXPECT_EQ(d.model, "mlp");
@@ -285,7 +289,7 @@ TEST_F(ConfigTest, RequiredKeysAndPaths) {
   EXPECT_EQ(error_of("task: llm-sft\nbase_model: " + model_ + "\nproject_name: x\n"),
             "run.yaml: data.path is required for task llm-sft");
   EXPECT_EQ(error_of("task: llm-sft\nmodel: mlp\n"),
-            "run.yaml:2: key 'model' is for image and two-tower tasks; llm-sft takes 'base_model'");
+            "run.yaml:2: key 'model' is for tasks image-classification, two-tower; llm-sft takes 'base_model'");
   EXPECT_EQ(error_of("project_name: [a\n").rfind("run.yaml:", 0), 0u);  // invalid YAML names the file
   EXPECT_EQ(error_of("- a\n- b\n"), "run.yaml:1: the configuration must be a mapping of keys to values");
 }
@@ -299,11 +303,11 @@ TEST_F(ConfigTest, LlmKeysAndTwins) {
                                       "  chat_template: chatml\n"
                                       "  text_column: content\n"),
                              "run.yaml");
-  EXPECT_EQ(c.llm.lora_alpha, 64);
-  EXPECT_EQ(c.llm.target_modules, (std::vector<std::string>{"q_proj", "v_proj"}));
-  EXPECT_EQ(c.llm.quantization, "none");
-  EXPECT_EQ(c.llm.trainer, "sft");
-  EXPECT_TRUE(c.llm.merge_adapter);
+  EXPECT_EQ(llm_params(c).lora_alpha, 64);
+  EXPECT_EQ(llm_params(c).target_modules, (std::vector<std::string>{"q_proj", "v_proj"}));
+  EXPECT_EQ(llm_params(c).quantization, "none");
+  EXPECT_EQ(llm_params(c).trainer, "sft");
+  EXPECT_TRUE(llm_params(c).merge_adapter);
   EXPECT_EQ(c.data.chat_template, "chatml");
   EXPECT_EQ(c.data.column_mapping.at("text_column"), "content");
   EXPECT_EQ(to_yaml(c).find("  chat_template: chatml\n", to_yaml(c).find("params:")), std::string::npos);  // kept in data:
@@ -327,17 +331,17 @@ TEST_F(ConfigTest, PreferenceTrainersKeysAndColumnTwins) {
                                       "  text_column: good\n"
                                       "  rejected_text_column: bad\n"),
                              "run.yaml");
-  EXPECT_EQ(c.llm.trainer, "dpo");
-  EXPECT_EQ(c.llm.dpo_beta, 0.2);
-  EXPECT_EQ(c.llm.model_ref, "");
-  EXPECT_EQ(c.llm.max_prompt_length, 64);
-  EXPECT_EQ(c.llm.max_completion_length, -1);
+  EXPECT_EQ(llm_params(c).trainer, "dpo");
+  EXPECT_EQ(llm_params(c).dpo_beta, 0.2);
+  EXPECT_EQ(llm_params(c).model_ref, "");
+  EXPECT_EQ(llm_params(c).max_prompt_length, 64);
+  EXPECT_EQ(llm_params(c).max_completion_length, -1);
   EXPECT_EQ(c.data.column_mapping.at("prompt_text_column"), "question");
   EXPECT_EQ(c.data.column_mapping.at("text_column"), "good");
   EXPECT_EQ(c.data.column_mapping.at("rejected_text_column"), "bad");
   EXPECT_EQ(parse_config(to_yaml(c), "config.yaml"), c) << to_yaml(c);
   for (const char* trainer : {"orpo", "reward"}) {
-    EXPECT_EQ(parse_config(llm_yaml(std::string("  trainer: ") + trainer + "\n"), "run.yaml").llm.trainer, trainer);
+    EXPECT_EQ(llm_params(parse_config(llm_yaml(std::string("  trainer: ") + trainer + "\n"), "run.yaml")).trainer, trainer);
   }
   const std::string beta = error_of(llm_yaml("  dpo_beta: 0\n"));
   EXPECT_NE(beta.find("run.yaml:"), std::string::npos) << beta;
@@ -431,7 +435,7 @@ TEST_F(ConfigTest, ValidateConfigChecksConfigsBuiltInCode) {
     EXPECT_EQ(std::string(e.what()), "key 'params.batch_size' must be >= 1, got 0");
   }
   c.params.batch_size = 1;
-  c.llm.lora_r = 0;
+  llm_params(c).lora_r = 0;
   EXPECT_THROW(validate_config(c), replica::Error);
 }
 
@@ -451,11 +455,11 @@ TEST_F(ConfigTest, SetParamReadsFlagValuesLikeYaml) {
   EXPECT_EQ(c.params.nproc_per_node, 0);
   EXPECT_EQ(c.params.epochs, 3);
   EXPECT_DOUBLE_EQ(c.params.lr, 2e-4);
-  EXPECT_EQ(c.llm.lora_r, 8);
+  EXPECT_EQ(llm_params(c).lora_r, 8);
   EXPECT_EQ(c.data.chat_template, "chatml");
   RunConfig mlp = default_config("image-classification");
   set_param(mlp, "hidden_sizes", "[64, 32]");
-  EXPECT_EQ(mlp.image.hidden_sizes, (std::vector<int64_t>{64, 32}));
+  EXPECT_EQ(image_params(mlp).hidden_sizes, (std::vector<int64_t>{64, 32}));
   set_param(c, "distributed_backend", "null");
   EXPECT_EQ(c.params.distributed_backend, DistributedBackend::Ddp);
 
@@ -492,14 +496,14 @@ TEST(DidYouMean, SuggestsOnlyCloseKeys) {
 }  // namespace
 
 TEST_F(ConfigTest, ResNetAndTwoTowerKeys) {
-  EXPECT_FALSE(default_config("image-classification").image.gradient_checkpointing);  // off for images
+  EXPECT_FALSE(image_params(default_config("image-classification")).gradient_checkpointing);  // off for images
   const auto c = parse_config(
       image_yaml("  sync_batchnorm: true\n  augment: true\n  resnet_stem: small\n  gradient_checkpointing: true\n"),
       "run.yaml");
-  EXPECT_TRUE(c.image.sync_batchnorm);
-  EXPECT_TRUE(c.image.augment);
-  EXPECT_TRUE(c.image.gradient_checkpointing);
-  EXPECT_EQ(c.image.resnet_stem, ResnetStem::Small);
+  EXPECT_TRUE(image_params(c).sync_batchnorm);
+  EXPECT_TRUE(image_params(c).augment);
+  EXPECT_TRUE(image_params(c).gradient_checkpointing);
+  EXPECT_EQ(image_params(c).resnet_stem, ResnetStem::Small);
   EXPECT_EQ(parse_config(to_yaml(c), "again.yaml"), c);  // written back out and read again
   EXPECT_EQ(error_of(image_yaml("  resnet_stem: tiny\n")),
             "run.yaml:7: key 'params.resnet_stem' must be one of imagenet, pooled, small, got 'tiny'");
@@ -511,9 +515,9 @@ TEST_F(ConfigTest, ResNetAndTwoTowerKeys) {
   EXPECT_EQ(error_of(two_tower + "  top_k: 0\n"), "run.yaml:6: key 'params.top_k' must be >= 1, got 0");
   const RunConfig tt = default_config("two-tower");
   EXPECT_EQ(tt.data.valid_split, std::optional<std::string>("valid"));
-  EXPECT_EQ(tt.two_tower.embedding_dim, 32);
-  EXPECT_DOUBLE_EQ(tt.two_tower.temperature, 0.05);
-  EXPECT_EQ(tt.two_tower.hidden_sizes, (std::vector<int64_t>{64}));
+  EXPECT_EQ(two_tower_params(tt).embedding_dim, 32);
+  EXPECT_DOUBLE_EQ(two_tower_params(tt).temperature, 0.05);
+  EXPECT_EQ(two_tower_params(tt).hidden_sizes, (std::vector<int64_t>{64}));
   EXPECT_EQ(tt.params.batch_size, 128);
 }
 
@@ -551,17 +555,17 @@ TEST_F(ConfigTest, TrainingParamsJsonHasRealTypesAndOnlyTheRunsKeys) {
 
 TEST_F(ConfigTest, EveryKeyOfATaskIsAFlagInItsHelpWithItsDefault) {
   for (const auto& spec : task_specs()) {
-    const std::string help = keys_help(spec.task);
-    const RunConfig defaults = default_config(spec.task);
+    const std::string help = keys_help(spec.name);
+    const RunConfig defaults = default_config(spec.name);
     std::vector<const KeySpec*> keys;
     for (const auto& k : common_keys()) keys.push_back(&k);
     for (const auto& k : spec.keys) keys.push_back(&k);
     for (const KeySpec* k : keys) {
       std::string flag = "--" + k->name;
       std::replace(flag.begin(), flag.end(), '_', '-');
-      EXPECT_NE(help.find("  " + flag + " "), std::string::npos) << name_of(spec.task) << ": " << flag;
-      EXPECT_TRUE(is_flag(spec.task, k->name)) << k->name;
-      EXPECT_EQ(is_switch_key(spec.task, k->name), k->value_hint.empty()) << k->name;
+      EXPECT_NE(help.find("  " + flag + " "), std::string::npos) << spec.name << ": " << flag;
+      EXPECT_TRUE(is_flag(spec.name, k->name)) << k->name;
+      EXPECT_EQ(is_switch_key(spec.name, k->name), k->value_hint.empty()) << k->name;
       if (!k->secret) {
         EXPECT_NE(help.find("[" + k->text(defaults) + "]"), std::string::npos) << k->name;
       }
@@ -577,7 +581,7 @@ TEST_F(ConfigTest, FlagsOverAFileNameTheFlagAsTyped) {
   EXPECT_EQ(c.params.max_steps, 20);
   EXPECT_DOUBLE_EQ(c.params.lr, 0.25);  // the flag wins over the file
   EXPECT_EQ(c.params.epochs, 2);        // the file's
-  EXPECT_EQ(c.image.hidden_sizes, (std::vector<int64_t>{64, 32}));
+  EXPECT_EQ(image_params(c).hidden_sizes, (std::vector<int64_t>{64, 32}));
   EXPECT_EQ(c.project_name, "out/other");
   EXPECT_EQ(c.log, LogFormat::None);
   EXPECT_FALSE(c.data.valid_split.has_value());
@@ -600,12 +604,12 @@ TEST_F(ConfigTest, FlagsOverAFileNameTheFlagAsTyped) {
   EXPECT_EQ(error({{"task", "two-tower"}}), "--task cannot change the task of a run; set task: in the YAML file");
   EXPECT_EQ(error({{"log", "wandb"}}).find("--log wandb is not available"), 0u);
 
-  RunConfig llm = default_config(Task::LlmSft);
+  RunConfig llm = default_config("llm-sft");
   set_flag(llm, "model", model_);
   set_flag(llm, "lora-r", "4");
   set_flag(llm, "chat_template", "chatml");
   EXPECT_EQ(llm.base_model, model_);
-  EXPECT_EQ(llm.llm.lora_r, 4);
+  EXPECT_EQ(llm_params(llm).lora_r, 4);
   EXPECT_EQ(llm.data.chat_template, "chatml");
   EXPECT_THROW(set_flag(llm, "hidden-sizes", "4"), replica::Error);
 }
@@ -613,7 +617,7 @@ TEST_F(ConfigTest, FlagsOverAFileNameTheFlagAsTyped) {
 TEST_F(ConfigTest, EqualityComparesEveryKeyOfEveryTable) {
   // Each key set to a value other than its default makes the configs differ.
   for (const auto& spec : task_specs()) {
-    const RunConfig base = default_config(spec.task);
+    const RunConfig base = default_config(spec.name);
     std::vector<const KeySpec*> keys;
     for (const auto& k : common_keys()) keys.push_back(&k);
     for (const auto& k : spec.keys) keys.push_back(&k);
@@ -641,7 +645,7 @@ TEST_F(ConfigTest, EqualityComparesEveryKeyOfEveryTable) {
       }
       if (value.empty()) continue;  // one allowed value (trainer: sft)
       set_param(other, k->name, value);
-      EXPECT_NE(other, base) << name_of(spec.task) << ": " << k->name << " = " << value;
+      EXPECT_NE(other, base) << spec.name << ": " << k->name << " = " << value;
     }
   }
 }

@@ -9,6 +9,7 @@
 #include "replica/testing/program_runner.h"
 #include "replica/models/lora.h"
 #include "replica/tasks/llm_preference/preference.h"
+#include "replica/tasks/llm_sft/llm_params.h"
 #include "replica/testing/referee.h"
 #include "replica/train/run_config.h"
 #include "replica/train/workload.h"
@@ -140,16 +141,16 @@ TEST_P(PreferenceVsTrl, OneStepEqualsTrl) {
   config.data.path = dir() / c.data;
   config.data.valid_split.reset();
   config.project_name = dir() / (c.name + "-project");
-  config.llm.trainer = c.trainer;
-  config.llm.peft = c.peft;
-  config.llm.lora_r = 4;
-  config.llm.lora_alpha = 8;
-  config.llm.lora_dropout = 0;
-  config.llm.block_size = block_size;
-  config.llm.max_prompt_length = 12;
-  config.llm.max_completion_length = 10;
-  config.llm.dpo_beta = 0.1;
-  if (c.ref_model) config.llm.model_ref = dir() / "ref";
+  llm_params(config).trainer = c.trainer;
+  llm_params(config).peft = c.peft;
+  llm_params(config).lora_r = 4;
+  llm_params(config).lora_alpha = 8;
+  llm_params(config).lora_dropout = 0;
+  llm_params(config).block_size = block_size;
+  llm_params(config).max_prompt_length = 12;
+  llm_params(config).max_completion_length = 10;
+  llm_params(config).dpo_beta = 0.1;
+  if (c.ref_model) llm_params(config).model_ref = dir() / "ref";
   config.params.batch_size = c.batch;
   replica::train::validate_config(config);
   replica::train::WorkloadContext context;
