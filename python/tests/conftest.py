@@ -27,6 +27,23 @@ REQUIRED = os.environ.get("REPLICA_REQUIRE_REFEREES") == "1"
 MLP_OVERRIDES = {"max_steps": 20, "valid_split": None, "checkpoint_every": 0, "threads_per_worker": 1,
                  "logging_steps": 1}
 
+# AutoTrain 0.8.36's LLMTrainingParams (autotrain/trainers/clm/params.py): every field, at its
+# default, as AutoTrainParams.save() writes training_params.json (model_dump_json).
+AUTOTRAIN_0_8_36_DEFAULTS = {
+    "model": "gpt2", "project_name": "project-name", "data_path": "data", "train_split": "train",
+    "valid_split": None, "add_eos_token": True, "block_size": -1, "model_max_length": 2048, "padding": "right",
+    "trainer": "default", "use_flash_attention_2": False, "log": "none", "disable_gradient_checkpointing": False,
+    "logging_steps": -1, "eval_strategy": "epoch", "save_total_limit": 1, "auto_find_batch_size": False,
+    "mixed_precision": None, "lr": 3e-05, "epochs": 1, "batch_size": 2, "warmup_ratio": 0.1,
+    "gradient_accumulation": 4, "optimizer": "adamw_torch", "scheduler": "linear", "weight_decay": 0.0,
+    "max_grad_norm": 1.0, "seed": 42, "chat_template": None, "quantization": "int4",
+    "target_modules": "all-linear", "merge_adapter": False, "peft": False, "lora_r": 16, "lora_alpha": 32,
+    "lora_dropout": 0.05, "model_ref": None, "dpo_beta": 0.1, "max_prompt_length": 128,
+    "max_completion_length": None, "prompt_text_column": None, "text_column": "text",
+    "rejected_text_column": None, "push_to_hub": False, "username": None, "token": None, "unsloth": False,
+    "distributed_backend": None,
+}
+
 
 def need(module: str):
     """The module, or a skip (a failure under scripts/test.sh) naming the missing package."""

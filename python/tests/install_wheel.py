@@ -24,11 +24,12 @@ def main() -> int:
     if not program.is_file():
         print(f"{program} is not built (ninja -C build replica_cli)", file=sys.stderr)
         return 1
-    try:
-        import scikit_build_core  # noqa: F401
-    except ImportError:
-        print("scikit-build-core is not installed: pip install -r scripts/requirements-test.txt", file=sys.stderr)
-        return 1
+    for module, package in (("scikit_build_core", "scikit-build-core"), ("pydantic", "pydantic")):
+        try:
+            __import__(module)
+        except ImportError:  # installed --no-deps below: the package's dependencies come from here
+            print(f"{package} is not installed: pip install -r scripts/requirements-test.txt", file=sys.stderr)
+            return 1
     shutil.rmtree(site, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                     "--no-build-isolation", "--no-deps", "--no-cache-dir", "--target", str(site),

@@ -5,12 +5,13 @@ with replica's messages, `python -m replica`."""
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 import replica
 
-from conftest import MLP_OVERRIDES, cli, need_fashion_mnist, same_bytes
+from conftest import AUTOTRAIN_0_8_36_DEFAULTS, MLP_OVERRIDES, cli, need_fashion_mnist, same_bytes
 
 DEMO_STEPS = 6
 
@@ -65,6 +66,41 @@ def test_dpo_from_python_logs_trls_metrics(demo_dir, tmp_path):
     assert (run.final_dir / "adapter_config.json").exists()
 
 
+def test_autotrain_training_params_json_constructs_and_runs(demo_dir, tmp_path):
+    # The training_params.json of an AutoTrain QLoRA run (AutoTrain 0.8.36's fields: its
+    # defaults, with `--peft --lr 2e-4 --log tensorboard` and the Hub's names), as
+    # AutoTrainParams.save() writes it: `LLMTrainingParams(**json.load(...))` constructs.
+    autotrain = dict(AUTOTRAIN_0_8_36_DEFAULTS, model="meta-llama/Llama-3.2-1B", project_name="my-autotrain-llm",
+                     data_path="timdettmers/openassistant-guanaco", peft=True, lr=2e-4, log="tensorboard",
+                     block_size=128)
+    path = tmp_path / "training_params.json"
+    path.write_text(json.dumps(autotrain, indent=4))
+    with warnings.catch_warnings(), open(path) as f:
+        warnings.simplefilter("error")  # every field is one of ours
+        params = replica.LLMTrainingParams(**json.load(f))
+    assert (params.trainer, params.optimizer, params.quantization, params.lr) == ("default", "adamw_torch", "int4", 2e-4)
+    # Here: the demo's model and data in place of the Hub's, a few steps.
+    params.model, params.data_path, params.project_name = str(demo_dir / "model"), str(demo_dir / "data"), str(tmp_path / "at")
+    params.max_steps, params.nproc_per_node, params.logging_steps = 2, 1, 1
+    run = replica.Project(params, backend="local", process=True).create()
+    assert run.returncode == 0 and run.metrics[-1]["step"] == 2
+    got = run.training_params
+    assert (got["trainer"], got["optimizer"], got["quantization"], got["peft"], got["lr"]) == ("sft", "adamw", "int4", True, 2e-4)
+    assert (run.final_dir / "adapter_config.json").exists()
+
+    # replica's own training_params.json round-trips: the params it gives run the same run again.
+    with warnings.catch_warnings(), open(run.project_dir / "training_params.json") as f:
+        warnings.simplefilter("error")
+        again = replica.LLMTrainingParams(**json.load(f))
+    assert again.model_dump() == replica.LLMTrainingParams(**got).model_dump()
+    again.project_name = str(tmp_path / "again")
+    rerun = replica.Project(again, backend="local", process=True).create()
+    expected, repeated = dict(got), rerun.training_params
+    assert repeated.pop("project_name") == str(tmp_path / "again") and expected.pop("project_name")
+    assert repeated == expected
+    assert same_bytes(run.final_dir / "adapter_model.safetensors", rerun.final_dir / "adapter_model.safetensors")
+
+
 def test_run_handle_wait_logs_metrics(tmp_path):
     need_fashion_mnist()
     params = replica.ImageClassificationParams(project_name=str(tmp_path / "mlp"), nproc_per_node=1, hidden_sizes=[64],
@@ -76,6 +112,11 @@ def test_run_handle_wait_logs_metrics(tmp_path):
     assert [m["step"] for m in run.metrics if "loss" in m] == [1, 2, 3, 4, 5]
     assert "done: 5 steps" in run.logs
     assert run.training_params["task"] == "image-classification"
+    with warnings.catch_warnings():  # replica's own training_params.json constructs the params again
+        warnings.simplefilter("error")
+        again = replica.ImageClassificationParams(**run.training_params)
+    assert (again.hidden_sizes, again.max_steps, again.nproc_per_node) == ([64], 5, 1)
+    assert again.command("t.yaml") == params.command("t.yaml")
 
 
 def test_refused_value_is_a_config_error_with_replicas_message(tmp_path):
