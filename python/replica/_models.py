@@ -316,13 +316,15 @@ class LLMTrainingParams(Params):
     """data.chat_template: tokenizer, chatml, llama3 or none (--chat-template)"""
 
     text_column: Optional[str] = spec_field("llm-sft", "text_column")
-    """data.column_mapping.text_column (--text-column)"""
+    """data.column_mapping.text_column (dpo, orpo, reward: the chosen completion's column; without it,
+    TRL's chosen) (--text-column)
+    """
 
     prompt_text_column: Optional[str] = spec_field("llm-sft", "prompt_text_column")
-    """data.column_mapping.prompt_text_column (dpo, orpo, reward) (--prompt-text-column)"""
+    """data.column_mapping.prompt_text_column: dpo, orpo, reward (--prompt-text-column)"""
 
     rejected_text_column: Optional[str] = spec_field("llm-sft", "rejected_text_column")
-    """data.column_mapping.rejected_text_column (dpo, orpo, reward) (--rejected-text-column)"""
+    """data.column_mapping.rejected_text_column: dpo, orpo, reward (--rejected-text-column)"""
 
     push_to_hub: Optional[bool] = spec_field("llm-sft", "push_to_hub")
     """AutoTrain's; replica accepts it only at false: replica does not upload to the Hugging Face Hub
