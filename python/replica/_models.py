@@ -137,7 +137,9 @@ class LLMTrainingParams(Params):
     """
 
     token: Optional[str] = spec_field("llm-sft", "token")
-    """rendezvous secret (or env REPLICA_TOKEN); never written out (--token)"""
+    """rendezvous secret (or env REPLICA_TOKEN); never written out (AutoTrain's Hub token is read here, and
+    replica reaches no Hub) (--token)
+    """
 
     epochs: Optional[int] = spec_field("llm-sft", "epochs")
     """passes over the training data (--epochs)"""
@@ -194,10 +196,38 @@ class LLMTrainingParams(Params):
     eval_every: Optional[int] = spec_field("llm-sft", "eval_every")
     """evaluate every N steps (0: at the end of each epoch) (--eval-every)"""
 
+    eval_strategy: Optional[str] = spec_field("llm-sft", "eval_strategy")
+    """epoch: at the end of each epoch (every eval_every steps when set); steps: every eval_every steps
+    (logging_steps when 0); no: never (HF TrainingArguments' names) (--eval-strategy)
+    """
+
     checkpoint_every: Optional[int] = spec_field("llm-sft", "checkpoint_every")
     """a checkpoint every N steps and one at the end (0: no checkpoints at all, so nothing to resume from;
     final/ is still written) (--checkpoint-every)
     """
+
+    save_strategy: Optional[str] = spec_field("llm-sft", "save_strategy")
+    """steps: a checkpoint every checkpoint_every (save_steps) steps; epoch: at the end of each epoch; no:
+    none (nothing to resume from; final/ is still written); steps and epoch also at the end
+    (--save-strategy)
+    """
+
+    resume_from_checkpoint: Optional[str] = spec_field("llm-sft", "resume_from_checkpoint")
+    """auto (or null, true): continue from project_name's latest checkpoint when it has one; false: only a
+    fresh start (an earlier run's checkpoints are an error); PROJECT/checkpoint-STEP: continue from that
+    one (--resume-from-checkpoint)
+    """
+
+    auto_find_batch_size: Optional[bool] = spec_field("llm-sft", "auto_find_batch_size")
+    """AutoTrain's batch-size search: not in replica (false only; set batch_size and gradient_accumulation)
+    (--auto-find-batch-size)
+    """
+
+    push_to_hub: Optional[bool] = spec_field("llm-sft", "push_to_hub")
+    """AutoTrain's upload to the Hugging Face Hub: not in replica (false only) (--push-to-hub)"""
+
+    username: Optional[str] = spec_field("llm-sft", "username")
+    """AutoTrain's Hub user (no upload in replica: no effect) (--username)"""
 
     save_total_limit: Optional[int] = spec_field("llm-sft", "save_total_limit")
     """checkpoints kept (<= 0: all) (--save-total-limit)"""
@@ -243,7 +273,9 @@ class LLMTrainingParams(Params):
     """
 
     merge_adapter: Optional[bool] = spec_field("llm-sft", "merge_adapter")
-    """also fold the adapter into the base model: project_name/merged/ (--merge-adapter)"""
+    """also fold the adapter into the base model: project_name/merged/, and the merged model's files in
+    project_name itself, where AutoTrain writes them (--merge-adapter)
+    """
 
     model_max_length: Optional[int] = spec_field("llm-sft", "model_max_length")
     """samples are truncated to this many tokens (--model-max-length)"""
@@ -256,6 +288,11 @@ class LLMTrainingParams(Params):
     packing: Optional[bool] = spec_field("llm-sft", "packing")
     """pack samples first-fit into rows of block_size (AutoTrain's SFT always packs); false: one sample per
     row (--packing)
+    """
+
+    response_only_loss: Optional[bool] = spec_field("llm-sft", "response_only_loss")
+    """sft: loss only on the completion or the assistant turns (AITraining's name; false: on every token)
+    (--response-only-loss)
     """
 
     padding: Optional[str] = spec_field("llm-sft", "padding")
@@ -325,26 +362,6 @@ class LLMTrainingParams(Params):
 
     rejected_text_column: Optional[str] = spec_field("llm-sft", "rejected_text_column")
     """data.column_mapping.rejected_text_column: dpo, orpo, reward (--rejected-text-column)"""
-
-    push_to_hub: Optional[bool] = spec_field("llm-sft", "push_to_hub")
-    """AutoTrain's; replica accepts it only at false: replica does not upload to the Hugging Face Hub
-    (--push-to-hub)
-    """
-
-    username: Optional[str] = spec_field("llm-sft", "username")
-    """AutoTrain's; replica accepts it only at null: replica does not upload to the Hugging Face Hub
-    (--username)
-    """
-
-    auto_find_batch_size: Optional[bool] = spec_field("llm-sft", "auto_find_batch_size")
-    """AutoTrain's; replica accepts it only at false: set --batch-size (and --gradient-accumulation)
-    instead (--auto-find-batch-size)
-    """
-
-    eval_strategy: Optional[str] = spec_field("llm-sft", "eval_strategy")
-    """AutoTrain's; replica accepts it only at epoch: replica evaluates at the end of each epoch (or every
-    eval_every steps) (--eval-strategy)
-    """
 
 
 class ImageClassificationParams(Params):
@@ -463,7 +480,9 @@ class ImageClassificationParams(Params):
     """
 
     token: Optional[str] = spec_field("image-classification", "token")
-    """rendezvous secret (or env REPLICA_TOKEN); never written out (--token)"""
+    """rendezvous secret (or env REPLICA_TOKEN); never written out (AutoTrain's Hub token is read here, and
+    replica reaches no Hub) (--token)
+    """
 
     epochs: Optional[int] = spec_field("image-classification", "epochs")
     """passes over the training data (--epochs)"""
@@ -520,10 +539,38 @@ class ImageClassificationParams(Params):
     eval_every: Optional[int] = spec_field("image-classification", "eval_every")
     """evaluate every N steps (0: at the end of each epoch) (--eval-every)"""
 
+    eval_strategy: Optional[str] = spec_field("image-classification", "eval_strategy")
+    """epoch: at the end of each epoch (every eval_every steps when set); steps: every eval_every steps
+    (logging_steps when 0); no: never (HF TrainingArguments' names) (--eval-strategy)
+    """
+
     checkpoint_every: Optional[int] = spec_field("image-classification", "checkpoint_every")
     """a checkpoint every N steps and one at the end (0: no checkpoints at all, so nothing to resume from;
     final/ is still written) (--checkpoint-every)
     """
+
+    save_strategy: Optional[str] = spec_field("image-classification", "save_strategy")
+    """steps: a checkpoint every checkpoint_every (save_steps) steps; epoch: at the end of each epoch; no:
+    none (nothing to resume from; final/ is still written); steps and epoch also at the end
+    (--save-strategy)
+    """
+
+    resume_from_checkpoint: Optional[str] = spec_field("image-classification", "resume_from_checkpoint")
+    """auto (or null, true): continue from project_name's latest checkpoint when it has one; false: only a
+    fresh start (an earlier run's checkpoints are an error); PROJECT/checkpoint-STEP: continue from that
+    one (--resume-from-checkpoint)
+    """
+
+    auto_find_batch_size: Optional[bool] = spec_field("image-classification", "auto_find_batch_size")
+    """AutoTrain's batch-size search: not in replica (false only; set batch_size and gradient_accumulation)
+    (--auto-find-batch-size)
+    """
+
+    push_to_hub: Optional[bool] = spec_field("image-classification", "push_to_hub")
+    """AutoTrain's upload to the Hugging Face Hub: not in replica (false only) (--push-to-hub)"""
+
+    username: Optional[str] = spec_field("image-classification", "username")
+    """AutoTrain's Hub user (no upload in replica: no effect) (--username)"""
 
     save_total_limit: Optional[int] = spec_field("image-classification", "save_total_limit")
     """checkpoints kept (<= 0: all) (--save-total-limit)"""
@@ -675,7 +722,9 @@ class TwoTowerParams(Params):
     """
 
     token: Optional[str] = spec_field("two-tower", "token")
-    """rendezvous secret (or env REPLICA_TOKEN); never written out (--token)"""
+    """rendezvous secret (or env REPLICA_TOKEN); never written out (AutoTrain's Hub token is read here, and
+    replica reaches no Hub) (--token)
+    """
 
     epochs: Optional[int] = spec_field("two-tower", "epochs")
     """passes over the training data (--epochs)"""
@@ -732,10 +781,38 @@ class TwoTowerParams(Params):
     eval_every: Optional[int] = spec_field("two-tower", "eval_every")
     """evaluate every N steps (0: at the end of each epoch) (--eval-every)"""
 
+    eval_strategy: Optional[str] = spec_field("two-tower", "eval_strategy")
+    """epoch: at the end of each epoch (every eval_every steps when set); steps: every eval_every steps
+    (logging_steps when 0); no: never (HF TrainingArguments' names) (--eval-strategy)
+    """
+
     checkpoint_every: Optional[int] = spec_field("two-tower", "checkpoint_every")
     """a checkpoint every N steps and one at the end (0: no checkpoints at all, so nothing to resume from;
     final/ is still written) (--checkpoint-every)
     """
+
+    save_strategy: Optional[str] = spec_field("two-tower", "save_strategy")
+    """steps: a checkpoint every checkpoint_every (save_steps) steps; epoch: at the end of each epoch; no:
+    none (nothing to resume from; final/ is still written); steps and epoch also at the end
+    (--save-strategy)
+    """
+
+    resume_from_checkpoint: Optional[str] = spec_field("two-tower", "resume_from_checkpoint")
+    """auto (or null, true): continue from project_name's latest checkpoint when it has one; false: only a
+    fresh start (an earlier run's checkpoints are an error); PROJECT/checkpoint-STEP: continue from that
+    one (--resume-from-checkpoint)
+    """
+
+    auto_find_batch_size: Optional[bool] = spec_field("two-tower", "auto_find_batch_size")
+    """AutoTrain's batch-size search: not in replica (false only; set batch_size and gradient_accumulation)
+    (--auto-find-batch-size)
+    """
+
+    push_to_hub: Optional[bool] = spec_field("two-tower", "push_to_hub")
+    """AutoTrain's upload to the Hugging Face Hub: not in replica (false only) (--push-to-hub)"""
+
+    username: Optional[str] = spec_field("two-tower", "username")
+    """AutoTrain's Hub user (no upload in replica: no effect) (--username)"""
 
     save_total_limit: Optional[int] = spec_field("two-tower", "save_total_limit")
     """checkpoints kept (<= 0: all) (--save-total-limit)"""

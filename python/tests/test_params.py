@@ -92,7 +92,7 @@ def test_autotrain_names_and_defaults():
     assert (p.lr, p.epochs, p.batch_size, p.gradient_accumulation) == (3e-5, 1, 2, 4)
     assert (p.lora_r, p.lora_alpha, p.lora_dropout, p.target_modules) == (16, 32, 0.05, "all-linear")
     assert (p.model_max_length, p.block_size, p.trainer, p.peft) == (2048, -1, "sft", False)
-    assert (p.push_to_hub, p.username, p.chat_template, p.text_column) == (False, None, "tokenizer", "text")
+    assert (p.push_to_hub, p.username, p.chat_template, p.text_column) == (False, "", "tokenizer", "text")
 
 
 def test_no_field_hides_a_method():

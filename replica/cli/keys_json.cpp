@@ -82,13 +82,9 @@ std::string keys_json(const std::string& task) {
   }
   out["twins"] = std::move(twins);
 
-  nlohmann::json autotrain = nlohmann::json::array();
-  if (llm) {
-    for (const auto& f : autotrain_only_flags()) {
-      autotrain.push_back({{"name", f.name}, {"flag", flag_of(f.name)}, {"accepted", f.accepted}, {"why", f.why}});
-    }
-  }
-  out["autotrain_only"] = std::move(autotrain);
+  // AutoTrain fields accepted at one value only: none since they became keys (push_to_hub,
+  // auto_find_batch_size, ...: their checks say why another value is refused). Kept for readers.
+  out["autotrain_only"] = nlohmann::json::array();
   return out.dump(2) + "\n";
 }
 

@@ -17,7 +17,7 @@ namespace replica::cli {
 //    help, kind, placeholder, switch/secret, other tools' names for it (known_as), and its
 //    default with its real JSON type (null for a secret);
 //  - twins: the params twins of data: keys (llm-sft: chat_template, text_column);
-//  - autotrain_only: AutoTrain fields `replica llm` accepts only at one value (llm-sft).
+//  - autotrain_only: empty (AutoTrain's fields are all keys now; kept for readers of the format).
 std::string keys_json(const std::string& task);
 
 }  // namespace replica::cli

@@ -36,32 +36,8 @@ constexpr const char* kLlmTask = "llm-sft";
 // The command's own flags; every other flag is the run's (train::set_flag).
 const std::vector<std::string> kCommandFlags = {"adapter", "train", "eval", "help"};
 
-// AutoTrain flags that have no meaning here, with what to say. (A flag given its AutoTrain
-// default is accepted silently.)
-struct Unsupported {
-  const char* name;
-  const char* accepted;  // the value that is fine ("" = none)
-  const char* why;
-};
-const std::vector<Unsupported>& unsupported_flags() {
-  static const std::vector<Unsupported> u = {
-      {"push_to_hub", "false", "replica does not upload to the Hugging Face Hub"},
-      {"username", "", "replica does not upload to the Hugging Face Hub"},
-      {"auto_find_batch_size", "false", "set --batch-size (and --gradient-accumulation) instead"},
-      {"eval_strategy", "epoch", "replica evaluates at the end of each epoch (or every eval_every steps)"},
-  };
-  return u;
-}
-
-const Unsupported* find_unsupported(const std::string& name) {
-  for (const auto& u : unsupported_flags()) {
-    if (name == u.name) return &u;
-  }
-  return nullptr;
-}
-
 bool is_switch(const std::string& name) {
-  static const std::set<std::string> own = {"train", "eval", "help", "push_to_hub", "auto_find_batch_size"};
+  static const std::set<std::string> own = {"train", "eval", "help"};
   return own.count(name) > 0 || train::is_switch_key(kLlmTask, name);
 }
 
@@ -110,17 +86,12 @@ with --eval, the adapter is evaluated over the base quantized the same way.
 
 }  // namespace
 
-std::vector<AutoTrainOnlyFlag> autotrain_only_flags() {
-  std::vector<AutoTrainOnlyFlag> out;
-  for (const auto& u : unsupported_flags()) out.push_back({u.name, u.accepted, u.why});
-  return out;
-}
-
 LlmArgs parse_llm_args(const std::vector<std::string>& args) {
   LlmArgs out;
   train::RunConfig& c = out.config;
   c = train::default_config(kLlmTask);
   c.source = "";
+  std::vector<std::string> flags_given;  // the run's flags as typed: for the run's notes
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
     if (arg == "-h") {
@@ -140,11 +111,8 @@ LlmArgs parse_llm_args(const std::vector<std::string>& args) {
     const std::string given = name;
     std::replace(name.begin(), name.end(), '-', '_');
     const bool own = std::find(kCommandFlags.begin(), kCommandFlags.end(), name) != kCommandFlags.end();
-    const Unsupported* unsupported = find_unsupported(name);
-    if (!own && unsupported == nullptr && !train::is_flag(kLlmTask, name)) {
-      std::vector<std::string> others = kCommandFlags;
-      for (const auto& u : unsupported_flags()) others.push_back(u.name);
-      fail("replica llm: {}", train::unknown_flag_message(kLlmTask, given, others));
+    if (!own && !train::is_flag(kLlmTask, name)) {
+      fail("replica llm: {}", train::unknown_flag_message(kLlmTask, given, kCommandFlags));
     }
     if (!has_value) {
       const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
@@ -169,20 +137,16 @@ LlmArgs parse_llm_args(const std::vector<std::string>& args) {
       out.eval = truthy(value);
     } else if (name == "adapter") {
       out.adapter = value;
-    } else if (unsupported != nullptr) {
-      std::string v = value;
-      std::transform(v.begin(), v.end(), v.begin(), [](unsigned char ch) { return std::tolower(ch); });
-      if (*unsupported->accepted == '\0' || v != unsupported->accepted) {
-        fail("replica llm: {} {} is not available: {}", dashed(name), value, unsupported->why);
-      }
     } else {
       try {
         train::set_flag(c, given, value);
       } catch (const Error& e) {
         fail("replica llm: {}", e.what());
       }
+      flags_given.push_back(given);
     }
   }
+  train::note_flags(c, flags_given);
   return out;
 }
 

@@ -25,16 +25,6 @@ struct LlmArgs {
 };
 LlmArgs parse_llm_args(const std::vector<std::string>& args);
 
-// AutoTrain's LLMTrainingParams fields that `replica llm` has no use for: each is accepted
-// only at `accepted` (push_to_hub false, eval_strategy epoch; "" = at no value) and refused
-// otherwise with `why`. `replica keys llm-sft --json` lists them for the Python package.
-struct AutoTrainOnlyFlag {
-  std::string name;
-  std::string accepted;
-  std::string why;
-};
-std::vector<AutoTrainOnlyFlag> autotrain_only_flags();
-
 // `replica tokenize --tokenizer DIR [--chat] [--chat-template MODE] [--json-lines]` on
 // stdin/stdout. With json_lines each stdin line is one text as a JSON string.
 int tokenize_command(const std::string& tokenizer_dir, bool chat, const std::string& chat_template,

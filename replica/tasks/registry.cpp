@@ -31,4 +31,10 @@ const std::vector<TaskSpec>& task_specs() {
   return tasks;
 }
 
+const std::string& default_task() {
+  // A config without `task:` is the image classifier, as the first replica configs were.
+  static const std::string name = "image-classification";
+  return name;
+}
+
 }  // namespace replica::train

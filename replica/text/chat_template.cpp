@@ -28,6 +28,15 @@ const char* const kLlama3Template =
     "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
 
+// AutoTrain's ZEPHYR_CHAT_TEMPLATE (autotrain/trainers/clm/utils.py, 0.8.36), character for
+// character: rendered with trim_blocks and lstrip_blocks as transformers renders every template.
+const char* const kZephyrTemplate =
+    "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+    "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token "
+    "}}\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token "
+    "}}\n{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% "
+    "endfor %}";
+
 namespace {
 
 // Real chat templates are at most tens of KB (Qwen3-Coder's ~6 KB, the largest of the
@@ -255,13 +264,14 @@ ChatTemplateSource chat_template_source(const std::string& mode,
                                         const std::string& tokenizer_config_json_path) {
   if (mode == "chatml") return {kChatmlTemplate, "chat_template chatml (built in)"};
   if (mode == "llama3") return {kLlama3Template, "chat_template llama3 (built in)"};
+  if (mode == "zephyr") return {kZephyrTemplate, "chat_template zephyr (built in, AutoTrain's)"};
   if (mode == "none") return {"", "chat_template none"};
   if (mode == "tokenizer") {
     fs::path p = tokenizer_config_json_path;
     if (fs::is_directory(p)) p /= "tokenizer_config.json";
     return template_from_config(p);
   }
-  fail("chat_template: unknown value '{}' (valid: tokenizer, chatml, llama3, none)", mode);
+  fail("chat_template: unknown value '{}' (valid: tokenizer, chatml, llama3, zephyr, none)", mode);
 }
 
 ModelChatTemplate::ModelChatTemplate(std::string mode, std::string model_dir)

@@ -130,7 +130,7 @@ std::string render_chat(const std::string& template_source,
                         const nlohmann::ordered_json& extra_context =
                             nlohmann::ordered_json::object());
 
-// Built-in templates for `chat_template: chatml | llama3`.
+// Built-in templates for `chat_template: chatml | llama3 | zephyr`.
 // ChatML as TRL/AutoTrain and transformers' old default template write it:
 //   <|im_start|>{role}\n{content}<|im_end|>\n ... [<|im_start|>assistant\n]
 extern const char* const kChatmlTemplate;
@@ -138,13 +138,18 @@ extern const char* const kChatmlTemplate;
 // <|start_header_id|>{role}<|end_header_id|>\n\n{content|trim}<|eot_id|>, and the assistant
 // header when add_generation_prompt).
 extern const char* const kLlama3Template;
+// AutoTrain's zephyr template: per message <|user|>\n, <|system|>\n or <|assistant|>\n, the content
+// and eos_token, each on its own line; <|assistant|> when add_generation_prompt. (AutoTrain also
+// adds the role markers to the tokenizer as special tokens and resizes the embeddings; replica
+// keeps the model's vocabulary, so they are tokenized as text: docs/llm.md.)
+extern const char* const kZephyrTemplate;
 
 // The template source for a `chat_template` setting:
 //   tokenizer: the model's own template: chat_template.jinja next to tokenizer_config.json
 //              when present (newer transformers save it there, and it wins), else the
 //              "chat_template" of tokenizer_config.json (a string, or a list of
 //              {name, template} from which "default" is taken);
-//   chatml, llama3: the built-in templates above;
+//   chatml, llama3, zephyr: the built-in templates above;
 //   none: "" (no template: the text is used as it is).
 // `tokenizer_config_json_path` is the tokenizer_config.json file or the model directory; it
 // is read only for `tokenizer`. replica::Error naming the file when it is missing or holds no
@@ -163,7 +168,7 @@ ChatTemplateSource chat_template_source(const std::string& mode,
 // tokenizer_config.json gives an empty object; malformed JSON is a replica::Error naming it.
 nlohmann::ordered_json chat_special_tokens(const std::string& tokenizer_config_json_path);
 
-// The chat template that a chat_template mode (tokenizer | chatml | llama3 | none) selects for a
+// The chat template that a chat_template mode (tokenizer | chatml | llama3 | zephyr | none) selects for a
 // model directory, read on first use (a data set without chats needs none), rendered with the
 // special tokens transformers passes it (bos_token, ...): the data encoders' one way to a model's
 // template.

@@ -20,6 +20,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -34,9 +35,25 @@ class KeyLocation {
   KeyLocation(std::string source, bool has_lines) : source_(std::move(source)), has_lines_(has_lines) {}
   void note(const std::string& key, const YAML::Node& key_node) {
     if (has_lines_ && !key_node.Mark().is_null()) origins_[key] = fmt::format("{}:{}: ", source_, key_node.Mark().line + 1);
+    given_.insert(key);
   }
+  // A key the file wrote under another name (hub.username for params.username): messages name it so.
+  void note_as(const std::string& key, const YAML::Node& key_node, const std::string& written) {
+    note(key, key_node);
+    written_[key] = written;
+  }
+  // The key as the file or the flags wrote it ("params.lr", "hub.username", "--lr").
+  std::string name(const std::string& key) const {
+    auto it = written_.find(key);
+    return it == written_.end() ? key : it->second;
+  }
+  // Whether the file or a flag gave the key (a config built in code gives none).
+  bool given(const std::string& key) const { return given_.count(key) > 0; }
   // A key set by a flag after the file was read: "--max-steps: " in messages.
-  void note_flag(const std::string& key, const std::string& flag) { origins_[key] = flag + ": "; }
+  void note_flag(const std::string& key, const std::string& flag) {
+    origins_[key] = flag + ": ";
+    given_.insert(key);
+  }
   bool has(const std::string& key) const { return origins_.count(key) > 0; }
   // "FILE:LINE: " where the key was written, "--flag: ", "FILE: " or "" (a config built in code).
   std::string where(const std::string& key) const {
@@ -53,6 +70,8 @@ class KeyLocation {
   std::string source_;
   bool has_lines_;
   std::map<std::string, std::string> origins_;
+  std::map<std::string, std::string> written_;
+  std::set<std::string> given_;
 };
 
 // One `params:` key. Every function is set by the builder; `key` in messages is "params.NAME".
@@ -65,6 +84,10 @@ struct KeySpec {
   bool is_switch = false;             // true/false: a bare flag means true
   bool secret = false;                // read, never written (token)
   std::vector<std::string> known_as;  // other tools' names for it (learning_rate): "did you mean" only
+  std::vector<std::string> synonyms;  // other names it is read by (save_steps for checkpoint_every)
+  // Why the key, given, does nothing in this run ("for trainer sft: only dpo reads it"); "" when
+  // it does something. A key given that does nothing is accepted with a note saying so.
+  std::function<std::string(const RunConfig&)> unused;
   std::function<void(RunConfig&, const YAML::Node& value, const std::string& key, const KeyLocation&)> read;
   std::function<void(const RunConfig&, const std::string& key, const KeyLocation&)> check;
   std::function<void(YAML::Emitter&, const RunConfig&)> write;
@@ -359,6 +382,14 @@ class Key {
     return check([](const T& v) { return v.empty() ? std::string("must not be empty") : std::string(); });
   }
   Key& known_as(std::vector<std::string> names) { known_as_ = std::move(names); return *this; }
+  // Another name the key is read by (a file or a flag may give either, not both); config.yaml
+  // writes the key's own name.
+  Key& synonym(std::string name) { synonyms_.push_back(std::move(name)); return *this; }
+  // `why(config)`: "" when the key does something in this run, else why it does not.
+  Key& unused_when(std::function<std::string(const RunConfig&)> why) { unused_ = std::move(why); return *this; }
+  // A list of one value reads as that value (AutoTrain's block_size: 64 or [64] or "64"); a longer
+  // list is refused with `why`.
+  Key& list_of_one(std::string why) { list_of_one_ = std::move(why); return *this; }
   Key& secret() { secret_ = true; return *this; }
   Key& in_json_when(std::function<bool(const RunConfig&)> when) { in_json_ = std::move(when); return *this; }
 
@@ -372,6 +403,8 @@ class Key {
     s.is_switch = std::is_same_v<T, bool>;
     s.secret = secret_;
     s.known_as = known_as_;
+    s.synonyms = synonyms_;
+    s.unused = unused_;
     const auto member = member_;
     auto get = [member](const RunConfig& c) -> const T& { return section_of<Section>(c).*member; };
     s.read = [self = *this, member](RunConfig& c, const YAML::Node& n, const std::string& key, const KeyLocation& loc) {
@@ -380,7 +413,7 @@ class Key {
     s.check = [checks = checks_, get](const RunConfig& c, const std::string& key, const KeyLocation& loc) {
       for (const auto& check : checks) {
         const std::string problem = check(get(c));
-        if (!problem.empty()) fail("{}key '{}' {}", loc.where(key), key, problem);
+        if (!problem.empty()) fail("{}key '{}' {}", loc.where(key), loc.name(key), problem);
       }
     };
     if (!secret_) {
@@ -408,6 +441,26 @@ class Key {
  private:
   T read_value(const YAML::Node& n, const std::string& key, const KeyLocation& loc) const {
     if (n.IsNull() && null_) return *null_;
+    if (list_of_one_) {
+      std::vector<YAML::Node> items;
+      if (n.IsSequence()) {
+        for (const auto& item : n) items.push_back(item);
+      } else if (n.IsScalar() && n.Scalar().find(',') != std::string::npos) {
+        const std::string& text = n.Scalar();
+        for (std::size_t from = 0;;) {
+          const std::size_t comma = text.find(',', from);
+          std::string piece = text.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+          piece.erase(0, piece.find_first_not_of(" \t"));
+          piece.erase(piece.find_last_not_of(" \t") + 1);
+          items.emplace_back(piece);
+          if (comma == std::string::npos) break;
+          from = comma + 1;
+        }
+      }
+      if (items.size() > 1) fail("{}key '{}' is a list of {} values: {}", loc.at(n), loc.name(key), items.size(), *list_of_one_);
+      if (items.size() == 1) return read_value(items.front(), key, loc);
+      if (n.IsSequence()) fail("{}key '{}' must be {}, got an empty list", loc.at(n), loc.name(key), kind_);
+    }
     if (n.IsScalar()) {
       for (const auto& [text, value] : aliases_) {
         if (n.Scalar() == text) return value;
@@ -424,8 +477,10 @@ class Key {
     if (!ok) {
       // No "did you mean" for a value: the lists are short and a near value (fp16 for fp32)
       // is rarely a typo.
-      if (enumeration_ && n.IsScalar()) fail("{}key '{}' must be {}, got '{}'", loc.at(n), key, kind_, excerpt(n.Scalar()));
-      fail("{}key '{}' must be {}, got {}", loc.at(culprit), key, kind_, describe(culprit));
+      if (enumeration_ && n.IsScalar()) {
+        fail("{}key '{}' must be {}, got '{}'", loc.at(n), loc.name(key), kind_, excerpt(n.Scalar()));
+      }
+      fail("{}key '{}' must be {}, got {}", loc.at(culprit), loc.name(key), kind_, describe(culprit));
     }
     return value;
   }
@@ -445,6 +500,9 @@ class Key {
   std::function<bool(const T&)> valid_;
   std::vector<Check> checks_;
   std::vector<std::string> known_as_;
+  std::vector<std::string> synonyms_;
+  std::function<std::string(const RunConfig&)> unused_;
+  std::optional<std::string> list_of_one_;
   std::function<bool(const RunConfig&)> in_json_;
 };
 

@@ -219,8 +219,11 @@ const std::vector<KeySpec>& common_keys() {
             "a DeepSpeed JSON config (ds_config.json), read into these keys; a field replica does not implement "
             "is an error")
             .group("ZeRO"),
-        key("token", &P::token, "rendezvous secret (or env REPLICA_TOKEN); never written out")
+        key("token", &P::token,
+            "rendezvous secret (or env REPLICA_TOKEN); never written out (AutoTrain's Hub token is read here, "
+            "and replica reaches no Hub)")
             .group("Workers")
+            .null_is("")
             .secret(),
         // The training loop.
         key("epochs", &P::epochs, "passes over the training data").group("Training").at_least(1).known_as(
@@ -270,12 +273,62 @@ const std::vector<KeySpec>& common_keys() {
             .group("Training")
             .at_least(0)
             .known_as({"eval_steps"}),
+        key("eval_strategy", &P::eval_strategy,
+            "epoch: at the end of each epoch (every eval_every steps when set); steps: every eval_every steps "
+            "(logging_steps when 0); no: never (HF TrainingArguments' names)")
+            .group("Training")
+            .unused_when([](const RunConfig& c) {
+              return c.data.valid_split ? std::string() : std::string("without a valid_split (nothing to evaluate)");
+            }),
         key("checkpoint_every", &P::checkpoint_every,
             "a checkpoint every N steps and one at the end (0: no checkpoints at all, so nothing to resume "
             "from; final/ is still written)")
             .group("Training")
             .at_least(0)
-            .known_as({"save_steps"}),
+            .synonym("save_steps")
+            .unused_when([](const RunConfig& c) {
+              return c.params.save_strategy == SaveStrategy::Steps
+                         ? std::string()
+                         : fmt::format("with save_strategy {}", name_of(c.params.save_strategy));
+            }),
+        key("save_strategy", &P::save_strategy,
+            "steps: a checkpoint every checkpoint_every (save_steps) steps; epoch: at the end of each epoch; no: "
+            "none (nothing to resume from; final/ is still written); steps and epoch also at the end")
+            .group("Training"),
+        key("resume_from_checkpoint", &P::resume_from_checkpoint,
+            "auto (or null, true): continue from project_name's latest checkpoint when it has one; false: only "
+            "a fresh start (an earlier run's checkpoints are an error); PROJECT/checkpoint-STEP: continue from "
+            "that one")
+            .group("Training")
+            .null_is("")
+            .keyword("auto", "")
+            .alias("true", "")
+            .alias("latest", ""),
+        key("auto_find_batch_size", &P::auto_find_batch_size,
+            "AutoTrain's batch-size search: not in replica (false only; set batch_size and gradient_accumulation)")
+            .group("Training")
+            .check([](const bool& v) {
+              return v ? std::string("must be false: replica does not search for a batch size; set batch_size "
+                                     "(and gradient_accumulation for the same global batch)")
+                       : std::string();
+            }),
+        key("push_to_hub", &P::push_to_hub,
+            "AutoTrain's upload to the Hugging Face Hub: not in replica (false only)")
+            .group("Hub")
+            .null_is(false)
+            .check([](const bool& v) {
+              return v ? std::string("must be false: replica does not upload to the Hugging Face Hub (a run's "
+                                     "machines may reach no network); upload project_name/final afterwards, "
+                                     "e.g. huggingface-cli upload USER/NAME PROJECT/final")
+                       : std::string();
+            }),
+        key("username", &P::username, "AutoTrain's Hub user (no upload in replica: no effect)")
+            .group("Hub")
+            .null_is("")
+            .unused_when([](const RunConfig& c) {
+              return c.params.username.empty() ? std::string()
+                                               : std::string("(replica does not upload to the Hugging Face Hub)");
+            }),
         key("save_total_limit", &P::save_total_limit, "checkpoints kept (<= 0: all)").group("Training"),
         key("threads_per_worker", &P::threads_per_worker, "intra-op threads per worker (0: cores / workers)")
             .group("Workers")
@@ -295,11 +348,11 @@ const std::vector<KeySpec>& common_keys() {
 
 namespace {
 
-const std::vector<std::string> kTopKeys = {"task",         "backend", "base_model", "model",
-                                           "project_name", "data",    "log",        "params"};
+const std::vector<std::string> kTopKeys = {"task", "backend", "base_model", "model", "project_name",
+                                           "data", "log",     "params",     "hub"};
 const std::vector<std::string> kDataKeys = {"path", "train_split", "valid_split", "chat_template",
                                             "column_mapping"};
-const std::vector<std::string> kChatTemplates = {"tokenizer", "chatml", "llama3", "none"};
+const std::vector<std::string> kChatTemplates = {"tokenizer", "chatml", "llama3", "zephyr", "none"};
 
 bool contains(const std::vector<std::string>& items, const std::string& item) {
   return std::find(items.begin(), items.end(), item) != items.end();
@@ -362,9 +415,10 @@ void check_column_key(const KeyLocation& loc, const TaskSpec& spec, const std::s
   fail("{}unknown key '{}'{}", loc.where(key), key, suggestion.empty() ? "" : fmt::format(" (did you mean '{}'?)", suggestion));
 }
 
+// The key `name` reads (its own name, or a synonym: save_steps is checkpoint_every).
 const KeySpec* find_key(const std::string& task, const std::string& name) {
   for (const KeySpec* k : keys_of(task)) {
-    if (k->name == name) return k;
+    if (k->name == name || contains(k->synonyms, name)) return k;
   }
   return nullptr;
 }
@@ -469,6 +523,29 @@ void check_zero_keys(const RunParams& p, const KeyLocation& loc) {
   }
 }
 
+// resume_from_checkpoint naming a directory: one of project_name's checkpoint-STEP directories
+// (a run continues in its own project; another project's checkpoint would be resumed into a
+// directory whose checkpoints, metrics and rotation are not its own).
+void check_resume_from(const RunConfig& c, const KeyLocation& loc) {
+  const std::string& dir = c.params.resume_from_checkpoint;
+  if (dir.empty() || dir == "false") return;
+  const std::string key = "params.resume_from_checkpoint";
+  std::error_code ec;
+  const std::filesystem::path path(dir);
+  if (!std::filesystem::is_directory(path, ec)) {
+    fail("{}key '{}' '{}' is not a directory (auto, false, or a checkpoint-STEP directory of project_name)",
+         loc.where(key), loc.name(key), excerpt(dir, 200));
+  }
+  const std::string name = path.filename().empty() ? path.parent_path().filename().string() : path.filename().string();
+  const auto parent = std::filesystem::weakly_canonical(std::filesystem::absolute(path) / "..", ec);
+  const auto project = std::filesystem::weakly_canonical(std::filesystem::absolute(c.project_name), ec);
+  if (name.rfind("checkpoint-", 0) != 0 || !parse_int(name.substr(11)) || parent != project) {
+    fail("{}key '{}' '{}' must be a checkpoint-STEP directory of project_name '{}' (a run resumes in its own "
+         "project)",
+         loc.where(key), loc.name(key), excerpt(dir, 200), excerpt(c.project_name, 200));
+  }
+}
+
 void check_config(const RunConfig& c, const KeyLocation& loc) {
   check_one_of(loc, "backend", c.backend, {"local"});
   const TaskSpec& spec = task_spec(c.task);
@@ -499,6 +576,7 @@ void check_config(const RunConfig& c, const KeyLocation& loc) {
   }
   for (const KeySpec* k : keys_of(c.task)) k->check(c, "params." + k->name, loc);
   check_zero_keys(c.params, loc);
+  check_resume_from(c, loc);
 }
 
 void read_data(const YAML::Node& node, RunConfig& c, KeyLocation& loc) {
@@ -553,13 +631,18 @@ void read_params(const YAML::Node& node, RunConfig& c, KeyLocation& loc, ParamsT
   std::vector<std::string> candidates;
   for (const KeySpec* k : keys_of(c.task)) candidates.push_back(k->name);
   for (const auto& twin : spec.twins) candidates.push_back(twin.name);
+  std::map<std::string, std::string> written_as;  // a key -> the name it was given by (a synonym's)
   for_each_entry(node, "params.", loc, [&](const std::string& key, const YAML::Node& k, const YAML::Node& v) {
     const std::string path = "params." + key;
-    loc.note(path, k);
-    if (const KeySpec* spec = find_key(c.task, key)) {
-      spec->read(c, v, path, loc);
+    if (const KeySpec* ks = find_key(c.task, key)) {
+      const auto [it, fresh] = written_as.emplace(ks->name, path);
+      if (!fresh) fail("{}key '{}' and '{}' are the same key; give one of them", loc.at(k), path, it->second);
+      const std::string own = "params." + ks->name;
+      loc.note_as(own, k, path);
+      ks->read(c, v, own, loc);
       return;
     }
+    loc.note(path, k);
     if (const std::string owners = owners_of(key); !owners.empty() && !is_param_key(c.task, key)) {
       fail("{}key '{}' applies only to {}", loc.at(k), path, owners);
     }
@@ -586,14 +669,55 @@ void apply_twins(RunConfig& c, const KeyLocation& loc, const ParamsTwins& twins)
   }
 }
 
-std::string read_task(const YAML::Node& node, KeyLocation& loc, const YAML::Node& key_node) {
+// `task:`: a registered task's name, or one of its aliases (AutoTrain's llm-dpo) with the keys
+// the alias sets.
+struct TaskChoice {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> keys;
+};
+
+TaskChoice read_task(const YAML::Node& node, KeyLocation& loc, const YAML::Node& key_node) {
   const std::string name = read_string(node, "task", loc);
   loc.note("task", key_node);
-  const auto& tasks = task_specs();
-  if (std::none_of(tasks.begin(), tasks.end(), [&](const TaskSpec& t) { return t.name == name; })) {
-    fail("{}key 'task' must be one of {}, got '{}'", loc.where("task"), task_names(), excerpt(name));
+  std::vector<std::string> names;
+  for (const auto& spec : task_specs()) {
+    if (spec.name == name) return {spec.name, {}};
+    names.push_back(spec.name);
+    for (const auto& alias : spec.aliases) {
+      if (alias.name == name) return {spec.name, alias.keys};
+      names.push_back(alias.name);
+    }
   }
-  return name;
+  fail("{}key 'task' must be one of {}, got '{}'", loc.where("task"), join_names(names, ", "), excerpt(name));
+}
+
+// AutoTrain's `hub:` section (username, token, push_to_hub): the same keys as under params:,
+// which win when both give one (AutoTrain reads params: last).
+void read_hub(const YAML::Node& node, RunConfig& c, KeyLocation& loc) {
+  if (!check_section(node, "hub", loc)) return;
+  static const std::vector<std::string> kHubKeys = {"username", "token", "push_to_hub"};
+  for_each_entry(node, "hub.", loc, [&](const std::string& key, const YAML::Node& k, const YAML::Node& v) {
+    if (!contains(kHubKeys, key)) unknown_key(loc, k, "hub.", key, kHubKeys);
+    const std::string own = "params." + key;
+    if (loc.given(own)) return;
+    loc.note_as(own, k, "hub." + key);
+    find_key(c.task, key)->read(c, v, own, loc);
+  });
+}
+
+// The run's notes (RunConfig::notes): each key given that does nothing in this run, and the
+// task's defaults that differ from AutoTrain's.
+void add_notes(RunConfig& c, const KeyLocation& loc) {
+  c.notes.clear();
+  for (const KeySpec* k : keys_of(c.task)) {
+    const std::string key = "params." + k->name;
+    if (!k->unused || !loc.given(key)) continue;
+    const std::string why = k->unused(c);
+    if (!why.empty()) c.notes.push_back(fmt::format("{}{} has no effect {}", loc.where(key), loc.name(key), why));
+  }
+  if (const auto notes = task_spec(c.task).default_notes) {
+    for (auto& line : notes(c, loc)) c.notes.push_back(std::move(line));
+  }
 }
 
 }  // namespace
@@ -704,15 +828,18 @@ RunConfig read_config(const std::string& yaml_text, const std::string& source_na
   check_scalars_are_utf8(root, loc);
 
   // The task decides the defaults and which keys exist, so it is read first.
-  std::string task = "image-classification";
+  TaskChoice choice{default_task(), {}};
   for (auto it = root.begin(); it != root.end(); ++it) {
-    if (it->first.IsScalar() && it->first.Scalar() == "task") task = read_task(it->second, loc, it->first);
+    if (it->first.IsScalar() && it->first.Scalar() == "task") choice = read_task(it->second, loc, it->first);
   }
+  const std::string& task = choice.name;
   RunConfig c = default_config(task);
   c.source = source_name;
+  for (const auto& [key, value] : choice.keys) set_param(c, key, value);
   const bool takes_base_model = task_spec(task).models.empty();
 
   ParamsTwins twins;
+  YAML::Node hub;  // read after params:, whose keys win
   std::vector<std::string> params;
   for (const KeySpec* k : keys_of(task)) params.push_back(k->name);
   for_each_entry(root, "", loc, [&](const std::string& key, const YAML::Node& k, const YAML::Node& v) {
@@ -737,6 +864,8 @@ RunConfig read_config(const std::string& yaml_text, const std::string& source_na
       read_data(v, c, loc);
     } else if (key == "params") {
       read_params(v, c, loc, twins);
+    } else if (key == "hub") {
+      hub = v;
     } else {
       std::string elsewhere = contains(params, key)      ? "params." + key
                               : contains(kDataKeys, key) ? "data." + key
@@ -745,6 +874,7 @@ RunConfig read_config(const std::string& yaml_text, const std::string& source_na
     }
   });
   apply_twins(c, loc, twins);
+  if (hub) read_hub(hub, c, loc);
   return c;
 }
 
@@ -764,7 +894,9 @@ void apply_flag(RunConfig& c, const std::string& typed, const std::string& value
   if (name == "task") {
     fail("--task cannot change the task of a run; set task: in the YAML file");
   } else if (name == "model" || name == "base_model") {
-    if (name == "base_model" && !takes_base_model) fail("--base-model applies only to task llm-sft (use --model)");
+    if (name == "base_model" && !takes_base_model) {
+      fail("--base-model is for {} (task {} takes --model)", base_model_tasks(), c.task);
+    }
     top(takes_base_model ? "base_model" : "model", takes_base_model ? c.base_model : c.model);
   } else if (name == "project_name") {
     top("project_name", c.project_name);
@@ -791,7 +923,8 @@ void apply_flag(RunConfig& c, const std::string& typed, const std::string& value
     } catch (const Error& e) {
       fail("--{} {}: {}", typed, value, e.what());
     }
-    loc.note_flag(is_twin(task_spec(c.task), name) ? twin_data_key(name) : "params." + name, "--" + typed);
+    const KeySpec* k = find_key(c.task, name);
+    loc.note_flag(k == nullptr ? twin_data_key(name) : "params." + k->name, "--" + typed);
   } else {
     fail("{}", unknown_flag_message(c.task, typed, kTopFlags));
   }
@@ -804,12 +937,27 @@ RunConfig parse_config(const std::string& yaml_text, const std::string& source_n
   RunConfig c = read_config(yaml_text, source_name, loc);
   apply_deepspeed_config(c, loc);
   check_config(c, loc);
+  add_notes(c, loc);
   return c;
 }
 
 void set_flag(RunConfig& config, const std::string& name, const std::string& value) {
   KeyLocation loc("", false);
   apply_flag(config, name, value, loc);
+}
+
+void note_flags(RunConfig& config, const std::vector<std::string>& flags) {
+  KeyLocation loc("", false);
+  for (const auto& typed : flags) {
+    std::string name = typed;
+    std::replace(name.begin(), name.end(), '-', '_');
+    if (const KeySpec* k = find_key(config.task, name)) {
+      loc.note_flag("params." + k->name, "--" + typed);
+    } else if (is_twin(task_spec(config.task), name)) {
+      loc.note_flag(twin_data_key(name), "--" + typed);
+    }
+  }
+  add_notes(config, loc);
 }
 
 bool is_flag(const std::string& task, const std::string& name) {
@@ -824,6 +972,7 @@ RunConfig load_config(const std::string& path, const std::vector<std::pair<std::
   for (const auto& [name, value] : flags) apply_flag(c, name, value, loc);
   apply_deepspeed_config(c, loc);
   check_config(c, loc);
+  add_notes(c, loc);
   return c;
 }
 

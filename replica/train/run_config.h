@@ -76,6 +76,22 @@ struct EnumNames<NonfiniteLoss> {
   static constexpr std::array<const char*, 2> names = {"stop", "skip"};
 };
 
+// When the run evaluates (HF TrainingArguments' eval_strategy): at the end of each epoch (or
+// every eval_every steps when that is set), every eval_every steps (logging_steps when 0), never.
+enum class EvalStrategy { Epoch, Steps, No };
+template <>
+struct EnumNames<EvalStrategy> {
+  static constexpr std::array<const char*, 3> names = {"epoch", "steps", "no"};
+};
+
+// When the run writes a checkpoint (save_strategy): every checkpoint_every (save_steps) steps,
+// at the end of each epoch, never; each also at the end of training, but for `no`.
+enum class SaveStrategy { Steps, Epoch, No };
+template <>
+struct EnumNames<SaveStrategy> {
+  static constexpr std::array<const char*, 3> names = {"steps", "epoch", "no"};
+};
+
 enum class LogFormat { None, Jsonl, TensorBoard };
 template <>
 struct EnumNames<LogFormat> {
@@ -155,7 +171,16 @@ struct RunParams {
   bool shuffle = true;
   int64_t seed = 42;
   int64_t eval_every = 0;                   // steps; 0 = at the end of every epoch
-  int64_t checkpoint_every = 500;           // steps; 0 = no periodic checkpoints
+  EvalStrategy eval_strategy = EvalStrategy::Epoch;
+  int64_t checkpoint_every = 500;           // steps (save_steps); 0 = no periodic checkpoints
+  SaveStrategy save_strategy = SaveStrategy::Steps;
+  // "" (auto): resume from the project's latest checkpoint when it has one; "false": a fresh
+  // start only; a checkpoint-STEP directory of the project: resume from it.
+  std::string resume_from_checkpoint;
+  bool auto_find_batch_size = false;        // AutoTrain's; only false
+  // The Hugging Face Hub (AutoTrain's hub: section): replica does not upload.
+  bool push_to_hub = false;                 // only false
+  std::string username;
   int save_total_limit = 1;                 // checkpoints kept; <= 0 keeps all
   int threads_per_worker = 0;               // 0 = cores / workers
   int64_t logging_steps = 10;
@@ -195,15 +220,18 @@ class TaskParams {
 
 struct RunConfig {
   std::string source;                       // the YAML file it came from ("" for flags)
-  std::string task = "image-classification";  // a registered task's name (task.h)
+  std::string task;                         // a registered task's name (task.h); default_config sets it
   std::string backend = "local";
-  std::string model = "mlp";                // image tasks: mlp | resnet18; two-tower: two-tower
+  std::string model;                        // one of the task's models (TaskSpec::models), when it has some
   std::string base_model;                   // tasks without `model:` choices (llm-sft)
   std::string project_name;
   LogFormat log = LogFormat::Jsonl;
   DataConfig data;
   RunParams params;
   TaskParams task_params;                   // the task's own keys (its TaskSpec's struct)
+  // What the run's first lines say about the config as read (not a key; not compared, not
+  // written): keys given that do nothing in this run, defaults that differ from AutoTrain's.
+  std::vector<std::string> notes;
 };
 
 // Every key compared (through the key tables); `source` (where it came from) is not.
@@ -236,6 +264,10 @@ void set_param(RunConfig& config, const std::string& key, const std::string& val
 // nearest valid one; a bad value names the flag.
 void set_flag(RunConfig& config, const std::string& name, const std::string& value);
 bool is_flag(const std::string& task, const std::string& name);
+
+// The notes of a config built by set_flag (`replica llm`): `flags` are the flags given, as
+// typed; RunConfig::notes is filled as load_config fills it for a file.
+void note_flags(RunConfig& config, const std::vector<std::string>& flags);
 
 // Parses and validates a YAML file; fills the task's defaults; checks that paths exist.
 // Errors name "FILE:LINE: key 'params.lrr' ...". With flags (`replica --config run.yaml

@@ -44,7 +44,33 @@ int64_t decide_start(const RunConfig& config, distributed::ProcessGroup& pg, int
     // holds nothing a new run would replace or lose: it does not block a fresh start.
     const auto outputs = run_outputs(project);
     const bool only_errors = outputs.size() == 1 && outputs[0].filename() == "errors";
-    if (!outputs.empty() && !only_errors) {
+    // After a restart (max_restarts) the run continues from its own newest checkpoint whatever
+    // resume_from_checkpoint said for its first start.
+    const std::string resume_from = restart_count == 0 ? config.params.resume_from_checkpoint : "";
+    if (!resume_from.empty() && resume_from != "false") {
+      // A checkpoint named (run_config.cpp checked it is one of this project's): the newest, or
+      // an older one only when none is newer (rotation would delete the newer ones' successors).
+      const auto all = list_checkpoints(config.project_name);
+      const fs::path named = fs::weakly_canonical(fs::absolute(resume_from));
+      const auto it = std::find_if(all.begin(), all.end(),
+                                   [&](const std::string& d) { return fs::weakly_canonical(fs::absolute(d)) == named; });
+      if (it == all.end()) {
+        error = fmt::format("resume_from_checkpoint '{}' is not a complete checkpoint of project '{}' (its "
+                            "checkpoints: {})",
+                            resume_from, config.project_name, all.empty() ? "none" : fmt::format("{}", fmt::join(all, ", ")));
+      } else if (it != all.begin()) {
+        error = fmt::format("resume_from_checkpoint '{}' is older than {}: continuing from it would mix two "
+                            "histories in one project; resume from the newest (resume_from_checkpoint auto) or "
+                            "use a new project_name",
+                            resume_from, all.front());
+      } else {
+        decision = load_checkpoint(*it).state.global_step;
+      }
+    } else if (!outputs.empty() && !only_errors && resume_from == "false" && !list_checkpoints(config.project_name).empty()) {
+      error = fmt::format("project '{}' holds checkpoints of an earlier run and resume_from_checkpoint is false; "
+                          "use a new project_name, or --overwrite to remove them and start over",
+                          config.project_name);
+    } else if (!outputs.empty() && !only_errors) {
       std::vector<std::string> skipped;
       auto latest = latest_checkpoint(config.project_name, &skipped);
       if (latest) {

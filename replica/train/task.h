@@ -8,8 +8,10 @@
 #include "replica/train/keys.h"
 #include "replica/train/run_config.h"
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace replica::train {
@@ -26,6 +28,13 @@ struct ParamsTwin {
   std::string unset;  // what --help shows as the default when the task's defaults leave it unset
 };
 
+// Another name `task:` may give (AutoTrain's llm-dpo): this task, with these params: keys set
+// before the file's own are read (which still win over them, as in AutoTrain).
+struct TaskAlias {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> keys;
+};
+
 struct TaskSpec {
   std::string name;                        // `task:` in YAML: llm-sft, image-classification, ...
   std::string summary;                     // one line for --help
@@ -34,7 +43,11 @@ struct TaskSpec {
   std::vector<std::string> models;         // allowed `model:` values; empty: the task takes base_model
   std::vector<std::string> columns;        // the data.column_mapping keys it reads
   std::vector<ParamsTwin> twins;           // its params: keys stored in data:
+  std::vector<TaskAlias> aliases;
   void (*defaults)(RunConfig&) = nullptr;  // the task's defaults over the common ones
+  // Lines for the run's start where the config left a key at a default of replica's that differs
+  // from AutoTrain's and changes the result (loc.given("params.block_size"): the key was written).
+  std::vector<std::string> (*default_notes)(const RunConfig&, const KeyLocation& loc) = nullptr;
   // What can be refused before any worker starts (files, unsupported features);
   // replica::Error naming the key.
   void (*check)(const RunConfig&) = nullptr;
@@ -46,6 +59,8 @@ struct TaskSpec {
 const std::vector<TaskSpec>& task_specs();
 // The task registered as `name`; replica::Error listing the tasks for another name.
 const TaskSpec& task_spec(const std::string& name);
+// The task of a config that names none (`task:` left out): the registry's choice.
+const std::string& default_task();
 // "llm-sft, image-classification, two-tower", for messages.
 std::string task_names();
 

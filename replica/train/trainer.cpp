@@ -122,27 +122,44 @@ class Loop {
       const std::vector<int64_t> order = sampler_.indices();
       while (state_.micro_step < micro_per_epoch_ && state_.global_step < total_steps_) {
         step(order);
-        if (p_.eval_every > 0 && state_.global_step % p_.eval_every == 0) evaluate(epoch_progress());
-        if (state_.micro_step >= micro_per_epoch_) {
+        const int64_t every = eval_every_steps();
+        if (every > 0 && state_.global_step % every == 0) evaluate(epoch_progress());
+        const bool epoch_end = state_.micro_step >= micro_per_epoch_;
+        if (epoch_end) {
           // Epoch boundary: the checkpoint below records the start of the next epoch.
-          if (p_.eval_every == 0) evaluate(epoch_progress());  // = state.epoch + 1 here
+          if (every == 0 && p_.eval_strategy == EvalStrategy::Epoch) evaluate(epoch_progress());  // = epoch + 1
           state_.epoch += 1;
           state_.micro_step = 0;
           sampler_.set_epoch(state_.epoch);
         }
-        if (p_.checkpoint_every > 0 && state_.global_step % p_.checkpoint_every == 0) {
+        const bool save = p_.save_strategy == SaveStrategy::Steps
+                              ? p_.checkpoint_every > 0 && state_.global_step % p_.checkpoint_every == 0
+                              : p_.save_strategy == SaveStrategy::Epoch && epoch_end;
+        if (save) {
           save_run_checkpoint(config_, state_, engine_, workload_, optimizer_, pg_);
           last_checkpoint = state_.global_step;
         }
         if (state_.micro_step == 0) break;  // next epoch: new order
       }
     }
-    if (p_.checkpoint_every > 0 && last_checkpoint != state_.global_step) {
+    const bool saves = p_.save_strategy == SaveStrategy::Epoch ||
+                       (p_.save_strategy == SaveStrategy::Steps && p_.checkpoint_every > 0);
+    if (saves && last_checkpoint != state_.global_step) {
       save_run_checkpoint(config_, state_, engine_, workload_, optimizer_, pg_);
     }
   }
 
  private:
+  // Evaluation every this many steps; 0: none by steps (eval_strategy epoch evaluates at epoch ends).
+  int64_t eval_every_steps() const {
+    switch (p_.eval_strategy) {
+      case EvalStrategy::No: return 0;
+      case EvalStrategy::Steps: return p_.eval_every > 0 ? p_.eval_every : p_.logging_steps;
+      case EvalStrategy::Epoch: break;
+    }
+    return p_.eval_every;
+  }
+
   // Epochs done, with the fraction of the current one: what every metrics line logs as "epoch".
   double epoch_progress() const {
     return state_.epoch + static_cast<double>(state_.micro_step) / micro_per_epoch_;
@@ -351,6 +368,7 @@ int run_worker(const RunConfig& config) {
     spdlog::info("replica: task {} on {} worker{} ({} thread{} each, {}), backend {}", config.task,
                  pg->size(), pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s",
                  device.is_cuda() ? "cuda:LOCAL_RANK" : "cpu", name_of(p.distributed_backend));
+    for (const auto& note : config.notes) spdlog::info("note: {}", note);
   }
 
   torch::manual_seed(static_cast<uint64_t>(p.seed));

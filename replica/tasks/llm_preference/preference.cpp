@@ -104,6 +104,10 @@ PreferenceEncoder::Texts PreferenceEncoder::texts(const json& record, const std:
     chosen_turns = json(std::vector<json>(chosen.begin() + static_cast<std::ptrdiff_t>(n), chosen.end()));
     rejected_turns = json(std::vector<json>(rejected.begin() + static_cast<std::ptrdiff_t>(n), rejected.end()));
   }
+  if (options_.chat_template == "zephyr" && prompt.front()["role"] != "system") {
+    // AutoTrain's preference munging with its zephyr template: an empty system message first.
+    prompt.insert(prompt.begin(), json{{"role", "system"}, {"content", ""}});
+  }
   template_.get(where);
   // TRL's maybe_apply_chat_template: the prompt with the generation prompt (continuing a final
   // assistant message instead is not supported), each completion the text of prompt +

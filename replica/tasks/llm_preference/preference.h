@@ -54,7 +54,9 @@ enum class PreferenceFormat { Dpo, Orpo, Reward };
 
 struct PreferenceOptions {
   PreferenceFormat format = PreferenceFormat::Dpo;
-  std::string chat_template = "tokenizer";            // tokenizer | chatml | llama3 | none
+  // tokenizer | chatml | llama3 | zephyr | none; zephyr also gives a chat without a system
+  // message an empty one first, as AutoTrain's preference munging does.
+  std::string chat_template = "tokenizer";
   std::map<std::string, std::string> column_mapping;  // prompt_text_column, text_column, rejected_text_column
   int64_t max_prompt_length = 0;                      // 0 = no limit
   int64_t max_completion_length = 0;                  // 0 = no limit

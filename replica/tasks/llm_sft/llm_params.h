@@ -24,6 +24,7 @@ struct LlmParams {
   std::string padding = "right";
   bool packing = true;                      // false: one sample per row
   bool add_eos_token = true;
+  bool response_only_loss = true;           // sft: loss on the completion / assistant turns only
   std::string quantization = "none";
   bool quantize_embeddings = false;         // also the embeddings and lm_head (with quantization)
   bool disable_gradient_checkpointing = false;

@@ -11,6 +11,7 @@
 #include "replica/text/chat_template.h"
 #include "replica/train/task.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -88,6 +89,9 @@ LlmSftSettings llm_sft_settings(const RunConfig& config) {
 
 // params.quantization and params.quantize_embeddings as the loader takes them.
 models::QuantOptions quant_options_of(const RunConfig& config) {
+  // Without peft there is no quantization: AutoTrain quantizes only under peft, and a config
+  // that asks for it without (its own defaults do: int4, peft false) gets a note (llm_sft_task).
+  if (!llm_params(config).peft) return {};
   auto options = models::quant_options(llm_params(config).quantization, "params.quantization");
   options.embeddings = llm_params(config).quantize_embeddings;
   return options;
@@ -95,19 +99,13 @@ models::QuantOptions quant_options_of(const RunConfig& config) {
 
 void check_llm_sft_config(const RunConfig& config) {
   const LlmSftSettings s = llm_sft_settings(config);
-  if (llm_params(config).quantize_embeddings && !quant_options_of(config).enabled()) {
+  if (llm_params(config).peft && llm_params(config).quantize_embeddings && !quant_options_of(config).enabled()) {
     fail("quantize_embeddings: true needs quantization int4 or int8 (it holds the embeddings and lm_head in that "
          "format); quantization is {}",
          llm_params(config).quantization);
   }
   if (quant_options_of(config).enabled()) {
     // QLoRA: the quantized base is frozen, only adapters over it train (models/quant.h).
-    if (!llm_params(config).peft) {
-      fail("quantization {} needs peft: true: a quantized base is frozen and only LoRA adapters train over it "
-           "(QLoRA); full fine-tuning of quantized weights is not supported (set peft: true, or quantization: "
-           "none to fine-tune every weight)",
-           llm_params(config).quantization);
-    }
     if (zero_stage_of(config.params) == 3) {
       // ZeRO-3 shards and gathers parameters; the quantized weights are codes beside the
       // parameters, which it would neither shard nor gather (DeepSpeed needs special handling
@@ -240,6 +238,7 @@ SftEncoderOptions encoder_options(const RunConfig& config, int64_t max_length) {
   o.column_mapping = config.data.column_mapping;
   o.add_eos_token = llm_sft_settings(config).add_eos_token;
   o.max_length = max_length;
+  o.response_only_loss = llm_params(config).response_only_loss;
   return o;
 }
 
@@ -396,6 +395,52 @@ std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadCo
   return std::make_unique<LlmSft>(config, context);
 }
 
+namespace {
+
+// unused_when for a key that only `trainers` read: "for trainer dpo (only sft reads it: why)".
+std::function<std::string(const RunConfig&)> only_for(std::vector<std::string> trainers, std::string why) {
+  return [trainers = std::move(trainers), why = std::move(why)](const RunConfig& c) -> std::string {
+    const std::string& t = llm_params(c).trainer;
+    if (std::find(trainers.begin(), trainers.end(), t) != trainers.end()) return "";
+    return fmt::format("for trainer {} (only {} read{} it{}; AutoTrain ignores it too)", t, fmt::join(trainers, ", "),
+                       trainers.size() == 1 ? "s" : "", why.empty() ? "" : ": " + why);
+  };
+}
+
+// unused_when for the LoRA keys: nothing without peft.
+std::string without_peft(const RunConfig& c) {
+  return llm_params(c).peft ? "" : "without peft: true (no adapters; AutoTrain ignores it too)";
+}
+
+// Where replica's llm defaults differ from AutoTrain's in what they train, and the config left
+// them so (Note [defaults that differ from AutoTrain's] in docs/llm.md's migration section).
+std::vector<std::string> llm_default_notes(const RunConfig& c, const KeyLocation& loc) {
+  const LlmParams& l = llm_params(c);
+  std::vector<std::string> notes;
+  auto given = [&](const char* key) { return loc.given(std::string("params.") + key); };
+  if (!given("block_size") && l.block_size == -1 && l.model_max_length > 1024) {
+    notes.push_back(fmt::format(
+        "block_size -1: rows of model_max_length = {} tokens; AutoTrain's -1 is min(1024, model_max_length) "
+        "(set block_size: {} for AutoTrain's)",
+        l.model_max_length, std::min<int64_t>(1024, l.model_max_length)));
+  }
+  if (l.peft && !given("quantization")) {
+    notes.push_back("quantization none: the base is held unquantized; AutoTrain 0.8.36 quantizes it to int4 "
+                    "by default under peft (set quantization: int4 for its QLoRA)");
+  }
+  if (l.peft && !given("merge_adapter")) {
+    notes.push_back("merge_adapter false: final/ holds the adapter; AITraining merges by default (set "
+                    "merge_adapter: true for a merged model in project_name, as AutoTrain writes it)");
+  }
+  if (!loc.given("data.chat_template")) {
+    notes.push_back("chat_template tokenizer: chats are rendered with the model's template; AutoTrain's "
+                    "default (null) renders none (set chat_template: none for that)");
+  }
+  return notes;
+}
+
+}  // namespace
+
 TaskSpec llm_sft_task() {
   TaskSpec t;
   t.name = "llm-sft";
@@ -422,42 +467,66 @@ TaskSpec llm_sft_task() {
           .one_of({"sft", "dpo", "orpo", "reward"})
           .alias("default", "sft"),  // AutoTrain's name for plain SFT
       key("peft", &L::peft, "train LoRA adapters on the frozen model instead of every weight").group("LoRA"),
-      key("lora_r", &L::lora_r, "LoRA rank").group("LoRA").at_least(1),
-      key("lora_alpha", &L::lora_alpha, "LoRA scale numerator (scale = alpha / r)").group("LoRA").at_least(1),
+      key("lora_r", &L::lora_r, "LoRA rank").group("LoRA").at_least(1).unused_when(without_peft),
+      key("lora_alpha", &L::lora_alpha, "LoRA scale numerator (scale = alpha / r)")
+          .group("LoRA")
+          .at_least(1)
+          .unused_when(without_peft),
       key("lora_dropout", &L::lora_dropout, "dropout on the adapters' input")
           .group("LoRA")
-          .fraction(),
+          .fraction()
+          .unused_when(without_peft),
       key("target_modules", &L::target_modules,
           "the adapted linears: all-linear, or names (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
-          .group("LoRA"),
+          .group("LoRA")
+          .unused_when(without_peft),
       key("init_adapter", &L::init_adapter,
           "peft: start from this PEFT adapter directory instead of fresh adapters (its r, lora_alpha, dropout and "
           "target modules; a reward model's also its score head): continue training an adapter, e.g. DPO after SFT")
           .group("LoRA")
           .null_is(""),
-      key("merge_adapter", &L::merge_adapter, "also fold the adapter into the base model: project_name/merged/").group("LoRA"),
+      key("merge_adapter", &L::merge_adapter,
+          "also fold the adapter into the base model: project_name/merged/, and the merged model's files in "
+          "project_name itself, where AutoTrain writes them")
+          .group("LoRA")
+          .unused_when(without_peft),
       key("model_max_length", &L::model_max_length, "samples are truncated to this many tokens")
           .group("LLM")
           .at_least(1),
       key("block_size", &L::block_size, "row length: packed rows hold up to this many tokens, and samples are "
           "truncated to it (-1: model_max_length)")
           .group("LLM")
+          .list_of_one("AutoTrain reads 64,128 into a list, which none of its trainers can use (its "
+                       "configure_block_size compares the list with a number and fails); give one size")
           .off_or_at_least(-1, 1, "model_max_length"),
       key("packing", &L::packing,
           "pack samples first-fit into rows of block_size (AutoTrain's SFT always packs); false: one sample per row")
-          .group("LLM"),
+          .group("LLM")
+          .unused_when(only_for({"sft"}, "preference rows are never packed")),
+      key("response_only_loss", &L::response_only_loss,
+          "sft: loss only on the completion or the assistant turns (AITraining's name; false: on every token)")
+          .group("LLM")
+          .unused_when(only_for({"sft"}, "preference losses are on completions by definition")),
       key("padding", &L::padding,
           "side a row shorter than its micro-batch's longest is padded on: right or left (pads are never attended "
           "nor trained on; positions start at 0 at a sample's first token either way)")
           .group("LLM")
           .one_of({"right", "left"}),
-      key("add_eos_token", &L::add_eos_token, "end every text sample with the tokenizer's EOS").group("LLM"),
+      key("add_eos_token", &L::add_eos_token, "end every text sample with the tokenizer's EOS")
+          .group("LLM")
+          .unused_when(only_for({"sft"}, "TRL ends every completion with EOS")),
       key("quantization", &L::quantization,
           "QLoRA: the frozen base's decoder linears held quantized, dequantized per layer on the fly (needs peft; "
           "int4: NF4, blocks of 64, double-quantized absmax, ~0.26x fp16; int8: per-row absmax, ~0.5x)")
           .group("LLM")
           .one_of({"none", "int4", "int8"})
-          .null_is("none"),
+          .null_is("none")
+          .unused_when([](const RunConfig& c) {
+            return llm_params(c).peft || llm_params(c).quantization == "none"
+                       ? std::string()
+                       : std::string("without peft: true (AutoTrain quantizes only under peft, and so does replica: "
+                                     "full fine-tuning trains every weight in full precision)");
+          }),
       key("quantize_embeddings", &L::quantize_embeddings,
           "with quantization: hold the token embeddings and an untied lm_head in the same format too (bitsandbytes "
           "keeps them in 16 bits; they are 2 x vocab x hidden weights, a large share of a small model's base)")
@@ -479,19 +548,23 @@ TaskSpec llm_sft_task() {
           "dpo: the reference model's directory (default: the frozen base; with peft, the base with the adapters "
           "disabled, no second copy)")
           .group("Preference (dpo, orpo, reward)")
-          .null_is(""),
+          .null_is("")
+          .unused_when(only_for({"dpo"}, "only DPO has a reference model")),
       key("dpo_beta", &L::dpo_beta, "dpo and orpo: beta (DPO: the KL penalty's weight; ORPO: the odds-ratio term's)")
           .group("Preference (dpo, orpo, reward)")
-          .positive(),
+          .positive()
+          .unused_when(only_for({"dpo", "orpo"}, "")),
       key("max_prompt_length", &L::max_prompt_length,
           "preference trainers: a prompt keeps its last this many tokens")
           .group("Preference (dpo, orpo, reward)")
-          .at_least(1),
+          .at_least(1)
+          .unused_when(only_for({"dpo", "orpo", "reward"}, "")),
       key("max_completion_length", &L::max_completion_length,
           "preference trainers: a completion keeps its first this many tokens (-1: no limit)")
           .group("Preference (dpo, orpo, reward)")
           .null_is(-1)
-          .off_or_at_least(-1, 1, "no limit"),
+          .off_or_at_least(-1, 1, "no limit")
+          .unused_when(only_for({"dpo", "orpo", "reward"}, "")),
   };
   t.defaults = [](RunConfig& c) {
     // AutoTrain's LLMTrainingParams defaults.
@@ -510,6 +583,14 @@ TaskSpec llm_sft_task() {
     p.mixed_precision = Precision::Fp32;  // AutoTrain's default is none
     p.save_total_limit = 1;
   };
+  // AutoTrain's task names (its parser maps llm-TRAINER to the llm task with that trainer; llm and
+  // llm-generic to its default trainer, which replica's sft is).
+  t.aliases = {{"llm", {}},
+               {"llm-generic", {{"trainer", "sft"}}},
+               {"llm-dpo", {{"trainer", "dpo"}}},
+               {"llm-orpo", {{"trainer", "orpo"}}},
+               {"llm-reward", {{"trainer", "reward"}}}};
+  t.default_notes = llm_default_notes;
   t.check = check_llm_sft_config;
   t.make = make_llm_sft;
   return t;

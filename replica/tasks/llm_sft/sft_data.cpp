@@ -197,6 +197,12 @@ SftSample SftEncoder::encode_chat(const json& messages, size_t first_trained, co
 }
 
 SftSample SftEncoder::encode(const json& record, const std::string& where) const {
+  SftSample s = encode_record(record, where);
+  if (!options_.response_only_loss) s.labels = s.ids;  // every token a target, the prompt's too
+  return s;
+}
+
+SftSample SftEncoder::encode_record(const json& record, const std::string& where) const {
   if (!record.is_object()) fail("{}: a record must be an object", where);
   const auto& m = options_.column_mapping;
   auto prompt_completion = [&](const std::string& pc, const std::string& cc) {

@@ -69,6 +69,9 @@ struct SftEncoderOptions {
   std::map<std::string, std::string> column_mapping;    // text_column, messages_column, ...
   bool add_eos_token = true;
   int64_t max_length = 0;                                // truncation; 0 = none
+  // false (AITraining's response_only_loss): every token of a sample is a target, the prompt's
+  // and the chat's user turns too (TRL's completion_only_loss / assistant_only_loss off).
+  bool response_only_loss = true;
 };
 
 // Turns records into samples with a model directory's tokenizer and chat template.
@@ -99,6 +102,7 @@ class SftEncoder {
 
  private:
   const text::ChatTemplate& chat_template(const std::string& where) const;
+  SftSample encode_record(const nlohmann::json& record, const std::string& where) const;
   std::string render(const nlohmann::json& messages, size_t count, bool add_generation_prompt) const;
   void truncate(SftSample& s) const;
 

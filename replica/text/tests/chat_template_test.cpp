@@ -101,6 +101,7 @@ TEST(ChatTemplate, RenderedChatCarriesExactlyOneBos) {
 
 TEST(ChatTemplate, BuiltinTemplatesAreTheFixtures) {
   EXPECT_EQ(std::string(replica::text::kChatmlTemplate), fixture_template("chatml.jinja"));
+  EXPECT_EQ(std::string(replica::text::kZephyrTemplate), fixture_template("zephyr.jinja"));
   EXPECT_EQ(std::string(replica::text::kLlama3Template), fixture_template("llama3_instruct.jinja"));
 }
 
@@ -163,6 +164,7 @@ class ChatTemplateFor : public ::testing::Test {
 TEST_F(ChatTemplateFor, BuiltinModes) {
   EXPECT_EQ(chat_template_for("chatml", ""), replica::text::kChatmlTemplate);
   EXPECT_EQ(chat_template_for("llama3", "/nonexistent"), replica::text::kLlama3Template);
+  EXPECT_EQ(chat_template_for("zephyr", "/nonexistent"), replica::text::kZephyrTemplate);
   EXPECT_EQ(chat_template_for("none", ""), "");
 }
 
@@ -198,7 +200,7 @@ TEST_F(ChatTemplateFor, ErrorsNameTheFileOrTheMode) {
   EXPECT_NE(error_of("tokenizer", dir_.string()).find("not valid JSON"), std::string::npos);
   e = error_of("chatm1", "");
   EXPECT_NE(e.find("chatm1"), std::string::npos) << e;
-  EXPECT_NE(e.find("tokenizer, chatml, llama3, none"), std::string::npos) << e;
+  EXPECT_NE(e.find("tokenizer, chatml, llama3, zephyr, none"), std::string::npos) << e;
 }
 
 TEST_F(ChatTemplateFor, SpecialTokensAsTransformersPassesThem) {

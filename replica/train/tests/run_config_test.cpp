@@ -247,14 +247,15 @@ TEST_F(ConfigTest, EnumerationsAndRanges) {
             "run.yaml:7: key 'params.mixed_precision' must be one of fp32, bf16, fp16, got 'fp8'");
   EXPECT_EQ(parse_config(image_yaml("  mixed_precision: fp16\n"), "r").params.mixed_precision, Precision::Fp16);
   EXPECT_EQ(error_of("task: gan\n"),
-            "run.yaml:1: key 'task' must be one of llm-sft, image-classification, two-tower, got 'gan'");
+            "run.yaml:1: key 'task' must be one of llm-sft, llm, llm-generic, llm-dpo, llm-orpo, llm-reward, "
+            "image-classification, two-tower, got 'gan'");
   EXPECT_EQ(
       error_of("project_name: x\nlog: wandb\ndata:\n  path: " + data_ + "\n"),
       "run.yaml:2: log 'wandb' is not available in replica (no Weights & Biases client); use one of none, "
       "jsonl, tensorboard");
   EXPECT_EQ(
-      error_of("project_name: x\ndata:\n  path: " + data_ + "\n  chat_template: zephyr\n"),
-      "run.yaml:4: key 'data.chat_template' must be one of tokenizer, chatml, llama3, none, got 'zephyr'");
+      error_of("project_name: x\ndata:\n  path: " + data_ + "\n  chat_template: vicuna\n"),
+      "run.yaml:4: key 'data.chat_template' must be one of tokenizer, chatml, llama3, zephyr, none, got 'vicuna'");
   EXPECT_EQ(error_of(image_yaml("  batch_size: 0\n")),
             "run.yaml:7: key 'params.batch_size' must be >= 1, got 0");
   EXPECT_EQ(error_of("project_name: x\ndata:\n  path: " + data_ + "\nparams:\n  epochs: 0\n"),

@@ -272,6 +272,7 @@ TEMPLATES = {
     "mistral_instruct_v03": ("mistral_instruct_v03.jinja", LLAMA2_TOKENS, ALL_CONV, ["none", "tools"]),
     "mistral_instruct_v03_early": ("mistral_instruct_v03_early.jinja", LLAMA2_TOKENS, PLAIN_CONV + ["tool_ids"], ["none", "tools"]),
     "chatml": ("chatml.jinja", {"eos_token": "<|im_end|>"}, PLAIN_CONV, ["none"]),
+    "zephyr": ("zephyr.jinja", {"eos_token": "</s>"}, PLAIN_CONV, ["none"]),
     "gemma3": ("gemma3.jinja", {"bos_token": "<bos>", "eos_token": "<eos>"}, PLAIN_CONV + ["multimodal_content"], ["none"]),
     "qwen3_coder_abridged": ("qwen3_coder_abridged.jinja", QWEN_TOKENS, ALL_CONV, ["none", "tools"]),
 }
