@@ -71,6 +71,35 @@ GpuMemory gpu_memory(int index) {
   return {stats.allocated_bytes[all].peak, stats.reserved_bytes[all].peak};
 }
 
+void* managed_zeros(std::size_t bytes) {
+  void* ptr = nullptr;
+  if (cudaMallocManaged(&ptr, bytes == 0 ? 1 : bytes, cudaMemAttachGlobal) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    fail("cudaMallocManaged of {} bytes failed: {}", bytes, cudaGetErrorString(e));
+  }
+  if (cudaMemset(ptr, 0, bytes) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    cudaFree(ptr);
+    fail("cudaMemset of managed memory failed: {}", cudaGetErrorString(e));
+  }
+  return ptr;
+}
+
+void managed_free(void* ptr) {
+  // The stream may still read it: LibTorch's kernels on it finish first.
+  cudaDeviceSynchronize();
+  cudaFree(ptr);
+}
+
+bool is_managed_memory(const void* ptr) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeManaged;
+}
+
 #else  // a LibTorch without CUDA
 
 int visible_gpu_count() { return 0; }
@@ -79,6 +108,9 @@ std::vector<GpuInfo> visible_gpus() { return {}; }
 std::string cuda_runtime_version() { return ""; }
 std::string cuda_driver_version() { return ""; }
 GpuMemory gpu_memory(int) { return {}; }
+void* managed_zeros(std::size_t) { fail("paged optimizer state needs CUDA; this replica was built against a LibTorch without it"); }
+void managed_free(void*) {}
+bool is_managed_memory(const void*) { return false; }
 
 #endif
 

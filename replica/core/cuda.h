@@ -3,6 +3,7 @@
 // CPU-only LibTorch builds the same code and simply sees no GPU.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -38,5 +39,13 @@ struct GpuMemory {
   int64_t peak_reserved = 0;
 };
 GpuMemory gpu_memory(int index);
+
+// `bytes` of zeroed CUDA managed memory (cudaMallocManaged: host-pageable, migrated to the GPU
+// on access and evicted to host RAM under pressure, what bitsandbytes' paged optimizers keep their
+// state in), and its release. replica::Error where there is no CUDA or the allocation fails.
+void* managed_zeros(std::size_t bytes);
+void managed_free(void* ptr);
+// Whether `ptr` points into CUDA managed memory (false without CUDA).
+bool is_managed_memory(const void* ptr);
 
 }  // namespace replica

@@ -265,7 +265,7 @@ class Reader {
         const std::string type = it.value().is_string() ? it.value().get<std::string>() : std::string();
         SchedulerKind kind;
         if (type == "WarmupLR") {
-          kind = SchedulerKind::Constant;
+          kind = SchedulerKind::ConstantWithWarmup;  // warm-up, then constant
         } else if (type == "WarmupDecayLR") {
           kind = SchedulerKind::Linear;
         } else if (type == "WarmupCosineLR") {

@@ -65,6 +65,9 @@ class DdpEngine final : public ParallelEngine {
     stage_ = p.zero_stage;
     options.shard_optimizer = stage_ == 1 || stage_ == 2 ? std::optional<bool>(true) : p.shard_optimizer;
     if (stage_ == 0) options.shard_optimizer = false;
+    // Adafactor steps whole parameters (Note [Adafactor needs whole parameters] in adafactor.h):
+    // auto does not shard for it (the config refuses an explicit sharding).
+    if (p.optimizer == OptimizerKind::Adafactor && !options.shard_optimizer) options.shard_optimizer = false;
     options.reduce_scatter_gradients = stage_ != 1;
     ddp_ = std::make_unique<ddp::DistributedDataParallel>(model_, pg_, options);
     if (ddp_->sharded()) {

@@ -2,6 +2,8 @@
 
 #include "replica/core/error.h"
 #include "replica/core/file_tensor.h"
+#include "replica/train/adafactor.h"
+#include "replica/train/optim_8bit.h"
 
 #include <torch/torch.h>
 
@@ -214,6 +216,12 @@ torch::Tensor StateHome::state_zeros(const torch::Tensor& param) const {
   return torch::zeros_like(param, torch::MemoryFormat::Contiguous);
 }
 
+torch::Tensor StateHome::state_zeros(at::IntArrayRef sizes, const at::TensorOptions& options) const {
+  // The allocators read only the shape and dtype of the tensor they are given.
+  if (allocate_) return allocate_(torch::empty(sizes, options.device(torch::kMeta)));
+  return torch::zeros(sizes, options);
+}
+
 // Note [optimizer offload]
 // offload_optimizer_device says where the optimizer's state lives and where its step runs:
 //   none  with the parameters it steps (a GPU's memory, or RAM for CPU training);
@@ -273,6 +281,13 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
         stepped, torch::optim::SGDOptions(spec.lr).momentum(spec.momentum).weight_decay(spec.weight_decay));
     home = o.get();
     optimizer = std::move(o);
+  } else if (spec.kind == OptimizerKind::AdamW8bit || spec.kind == OptimizerKind::PagedAdamW8bit) {
+    auto o = std::make_unique<AdamW8bit>(
+        stepped, AdamW8bitOptions(spec.lr).weight_decay(spec.weight_decay).paged(spec.kind == OptimizerKind::PagedAdamW8bit));
+    home = o.get();
+    optimizer = std::move(o);
+  } else if (spec.kind == OptimizerKind::Adafactor) {
+    optimizer = std::make_unique<Adafactor>(stepped, AdafactorOptions(spec.lr).weight_decay(spec.weight_decay));
   } else {
     auto o = std::make_unique<FusedAdamW>(stepped, torch::optim::AdamWOptions(spec.lr).weight_decay(spec.weight_decay));
     home = o.get();
@@ -280,6 +295,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
   }
   if (spec.offload == OffloadDevice::Nvme) {
     if (spec.nvme_path.empty()) fail("offload nvme needs nvme_path (a directory for the swap files)");
+    if (home == nullptr) fail("offload nvme: optimizer {} keeps no per-element state to put in files", name_of(spec.kind));
     home->set_state_allocator([dir = spec.nvme_path](const torch::Tensor& p) {
       return file_backed_zeros(dir, p.sizes(), p.scalar_type());
     });
@@ -330,6 +346,8 @@ io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKi
   if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
     return optimizer_state(copying->inner(), kind, copying->copies(), names);
   }
+  if (auto* eight = dynamic_cast<AdamW8bit*>(&optimizer)) return adamw_8bit_state(*eight, params, names);
+  if (auto* factor = dynamic_cast<Adafactor*>(&optimizer)) return adafactor_state(*factor, params, names);
   io::NamedTensors out;
   auto& state = optimizer.state();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -355,6 +373,16 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind
                           const std::vector<std::string>& names, const io::NamedTensors& state) {
   if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
     return load_optimizer_state(copying->inner(), kind, copying->copies(), names, state);
+  }
+  size_t own = 0;
+  if (auto* eight = dynamic_cast<AdamW8bit*>(&optimizer)) own = load_adamw_8bit_state(*eight, params, names, state);
+  else if (auto* factor = dynamic_cast<Adafactor*>(&optimizer)) own = load_adafactor_state(*factor, params, names, state);
+  if (dynamic_cast<AdamW8bit*>(&optimizer) || dynamic_cast<Adafactor*>(&optimizer)) {
+    if (own != state.size()) {
+      fail("optimizer state has {} tensors that match no parameter of this model or this optimizer (was it saved "
+           "with another optimizer or model?)", state.size() - own);
+    }
+    return;
   }
   const auto* home = dynamic_cast<const StateHome*>(&optimizer);
   std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
@@ -400,6 +428,23 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind
     fail("optimizer state has {} tensors that match no parameter of this model (was it saved "
          "with another optimizer or model?)", state.size() - used);
   }
+}
+
+int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
+  if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) return optimizer_state_bytes(copying->inner());
+  if (auto* eight = dynamic_cast<AdamW8bit*>(&optimizer)) return adamw_8bit_state_bytes(*eight);
+  if (auto* factor = dynamic_cast<Adafactor*>(&optimizer)) return adafactor_state_bytes(*factor);
+  int64_t bytes = 0;
+  for (auto& [key, state] : optimizer.state()) {
+    if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
+      for (const torch::Tensor* t : {&s->exp_avg(), &s->exp_avg_sq(), &s->max_exp_avg_sq()}) {
+        if (t->defined()) bytes += t->numel() * static_cast<int64_t>(t->element_size());
+      }
+    } else if (auto* m = dynamic_cast<torch::optim::SGDParamState*>(state.get())) {
+      if (m->momentum_buffer().defined()) bytes += m->momentum_buffer().numel() * static_cast<int64_t>(m->momentum_buffer().element_size());
+    }
+  }
+  return bytes;
 }
 
 }  // namespace replica::train

@@ -1,5 +1,6 @@
-// Optimizers for the trainer (torch::optim SGD with momentum, AdamW) and their state as
-// named tensors, so checkpoints stay in safetensors (no pickle).
+// Optimizers for the trainer (torch::optim SGD with momentum, AdamW; AdamW with 8-bit state in
+// optim_8bit.h, Adafactor in adafactor.h) and their state as named tensors, so checkpoints stay
+// in safetensors (no pickle).
 #pragma once
 
 #include "replica/io/safetensors.h"
@@ -35,6 +36,8 @@ class StateHome {
   virtual ~StateHome() = default;
   void set_state_allocator(StateAllocator allocate) { allocate_ = std::move(allocate); }
   torch::Tensor state_zeros(const torch::Tensor& param) const;
+  // Zeros of another shape or dtype than a parameter's (8-bit state), where state_zeros puts them.
+  torch::Tensor state_zeros(at::IntArrayRef sizes, const at::TensorOptions& options) const;
 
  private:
   StateAllocator allocate_;
@@ -85,8 +88,8 @@ class CopyStepOptimizer : public torch::optim::Optimizer {
   std::unique_ptr<torch::optim::Optimizer> inner_;
 };
 
-// The optimizer over `params` (trainable parameters, in the order of `names`): FusedSGD or
-// FusedAdamW; with spec.offload, its state in files (nvme) and, for parameters on a GPU, its
+// The optimizer over `params` (trainable parameters, in the order of `names`): FusedSGD,
+// FusedAdamW, AdamW8bit (paged for paged_adamw_8bit) or Adafactor; with spec.offload, its state in files (nvme) and, for parameters on a GPU, its
 // step on the host; for bf16/fp16 parameters, fp32 master copies (both CopyStepOptimizer).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
                                                         const std::vector<torch::Tensor>& params);
@@ -94,10 +97,15 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spe
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
 // Per-parameter state as "<param name>.<field>" tensors (SGD: momentum_buffer; AdamW: step,
-// exp_avg, exp_avg_sq, max_exp_avg_sq). Parameters without state yet are absent.
+// exp_avg, exp_avg_sq, max_exp_avg_sq; the 8-bit AdamW and Adafactor: their headers say).
+// Parameters without state yet are absent.
 io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,
                                  const std::vector<torch::Tensor>& params,
                                  const std::vector<std::string>& names);
+
+// Bytes of optimizer state this worker holds (what the memory report counts): the live state
+// tensors, not their checkpoint form.
+int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer);
 
 // Restores what optimizer_state wrote. A shape mismatch or unknown name is a replica::Error.
 void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind,

@@ -1,6 +1,7 @@
 // The run configuration: the keys every task has, and reading, checking and writing a whole
 // configuration from the key tables (see run_config.h).
 #include "replica/train/run_config.h"
+#include "replica/train/schedule.h"
 
 #include "replica/train/deepspeed_config.h"
 
@@ -246,9 +247,14 @@ const std::vector<KeySpec>& common_keys() {
             .alias("no", Precision::Fp32)  // Accelerate's spelling
             .alias("none", Precision::Fp32)
             .known_as({"precision"}),
-        key("optimizer", &P::optimizer, "fused AdamW or SGD with momentum")
+        key("optimizer", &P::optimizer,
+            "fused AdamW, SGD with momentum, AdamW with 8-bit block-wise state (bitsandbytes'; paged_: in "
+            "CUDA managed memory on a GPU), or Adafactor (transformers' defaults)")
             .group("Training")
             .alias("adamw_torch", OptimizerKind::AdamW)  // AutoTrain's default spelling
+            .alias("adamw_torch_fused", OptimizerKind::AdamW)
+            .alias("adamw_hf", OptimizerKind::AdamW)  // older transformers' own AdamW: the same update
+            .alias("adamw_8bit", OptimizerKind::AdamW8bit)  // transformers: an alias of adamw_bnb_8bit
             .known_as({"optim"}),
         key("lr", &P::lr, "peak learning rate").group("Training").positive().known_as({"learning_rate"}),
         key("momentum", &P::momentum, "sgd's momentum").group("Training").at_least(0.0),
@@ -259,7 +265,9 @@ const std::vector<KeySpec>& common_keys() {
         key("warmup_ratio", &P::warmup_ratio, "warm-up as a fraction of the steps")
             .group("Training")
             .fraction(),
-        key("scheduler", &P::scheduler, "learning-rate decay after warm-up")
+        key("scheduler", &P::scheduler,
+            "learning-rate schedule, transformers' get_scheduler formulas (constant: no warm-up; "
+            "constant_with_warmup: warm-up, then constant; polynomial: lr_end 1e-7, power 1)")
             .group("Training")
             .known_as({"lr_scheduler_type"}),
         key("max_grad_norm", &P::max_grad_norm, "gradient clipping by global norm (<= 0: off)").group("Training"),
@@ -521,6 +529,16 @@ void check_zero_keys(const RunParams& p, const KeyLocation& loc) {
     fail("{}key 'params.nvme_path' is used only with offload_optimizer_device or offload_param_device nvme",
          loc.where("params.nvme_path"));
   }
+  // Note [Adafactor needs whole parameters] in adafactor.h.
+  if (p.optimizer == OptimizerKind::Adafactor && (stage > 0 || p.shard_optimizer.value_or(false))) {
+    fail("{}key 'params.optimizer' is adafactor, which needs whole parameters (it factors a matrix's second "
+         "moment by rows and columns and clips by the update's RMS over the whole matrix), but {} gives the "
+         "optimizer flat shards of them; use adamw or adamw_bnb_8bit there, or step unsharded",
+         loc.where("params.optimizer"),
+         stage == 3 ? "ZeRO-3 (distributed_backend deepspeed)"
+                    : stage > 0 ? fmt::format("zero_stage {}", stage) : std::string("shard_optimizer: true"));
+  }
+  check_schedule(p.scheduler, p.lr, loc.where("params.lr"));
 }
 
 // resume_from_checkpoint naming a directory: one of project_name's checkpoint-STEP directories

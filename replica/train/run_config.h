@@ -56,16 +56,20 @@ struct EnumNames<Precision> {
   static constexpr std::array<const char*, 3> names = {"fp32", "bf16", "fp16"};
 };
 
-enum class OptimizerKind { Sgd, AdamW };
+// AdamW8bit and PagedAdamW8bit: replica/train/optim_8bit.h; Adafactor: replica/train/adafactor.h.
+enum class OptimizerKind { Sgd, AdamW, AdamW8bit, PagedAdamW8bit, Adafactor };
 template <>
 struct EnumNames<OptimizerKind> {
-  static constexpr std::array<const char*, 2> names = {"sgd", "adamw"};
+  static constexpr std::array<const char*, 5> names = {"sgd", "adamw", "adamw_bnb_8bit", "paged_adamw_8bit",
+                                                       "adafactor"};
 };
 
-enum class SchedulerKind { Constant, Linear, Cosine };
+// Hugging Face's get_scheduler names (replica/train/schedule.h): constant has no warm-up there.
+enum class SchedulerKind { Constant, Linear, Cosine, CosineWithRestarts, Polynomial, ConstantWithWarmup };
 template <>
 struct EnumNames<SchedulerKind> {
-  static constexpr std::array<const char*, 3> names = {"constant", "linear", "cosine"};
+  static constexpr std::array<const char*, 6> names = {"constant",   "linear",    "cosine", "cosine_with_restarts",
+                                                       "polynomial", "constant_with_warmup"};
 };
 
 // What a step whose training loss is NaN or Inf on some worker does (fp16's loss scaler

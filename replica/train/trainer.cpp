@@ -427,11 +427,7 @@ int run_worker(const RunConfig& config) {
   }
   if (timeline_file) write_timeline(*pg, *timeline_file);
   // Per-worker memory of the model state (parameters, gradients, optimizer state).
-  int64_t optimizer_bytes = 0;
-  for (const auto& [name, t] : optimizer_state(*optimizer, p.optimizer, engine->parameters(), engine->names())) {
-    optimizer_bytes += t.numel() * static_cast<int64_t>(t.element_size());
-  }
-  spdlog::info("{}", engine->memory_report(optimizer_bytes));
+  spdlog::info("{}", engine->memory_report(optimizer_state_bytes(*optimizer)));
   pg->barrier();
   return 0;
 }

@@ -122,7 +122,7 @@ TEST_F(DeepSpeedConfig, TheTransformersZero3ExampleReadsIntoTheKeys) {
   EXPECT_EQ(c.params.max_grad_norm, plain.params.max_grad_norm);
   EXPECT_EQ(c.params.mixed_precision, Precision::Fp32);
   EXPECT_EQ(c.params.stage3_prefetch_bucket_size, plain.params.stage3_prefetch_bucket_size);
-  EXPECT_EQ(c.params.scheduler, SchedulerKind::Constant);  // WarmupLR
+  EXPECT_EQ(c.params.scheduler, SchedulerKind::ConstantWithWarmup);  // WarmupLR
   EXPECT_EQ(c.params.optimizer, OptimizerKind::AdamW);
   // config.yaml (to_yaml) reads back to the same run, the JSON read again.
   EXPECT_EQ(parse_config(to_yaml(c), "config.yaml"), c);

@@ -782,6 +782,54 @@ TEST_F(EndToEnd, ShardedOptimizerCheckpointsResumeOnAnyWorldSize) {
   EXPECT_LE(max_abs_diff(straight, load_tensors(c / "final" / "model.safetensors")), 1e-5);
 }
 
+// AutoTrain's other optimizers through the program at world 2, each resumed from a checkpoint
+// bit for bit: paged_adamw_8bit (on the CPU DDP shards the step by default: 8-bit state per
+// shard, gathered per element into the checkpoint), adamw_bnb_8bit under ZeRO-3 (shard
+// checkpoints), and adafactor (whole parameters: DDP does not shard its step).
+TEST_F(EndToEnd, EightBitAdamWAndAdafactorResumeBitForBitAtWorldTwo) {
+  struct Variant {
+    std::string optimizer, backend, engine_line;
+  };
+  for (const Variant& v : {Variant{"paged_adamw_8bit", "ddp", "backend ddp (sharded optimizer)"},
+                           Variant{"adamw_bnb_8bit", "deepspeed", "backend zero3"},
+                           Variant{"adafactor", "ddp", "backend ddp,"}}) {
+    SCOPED_TRACE(v.optimizer + " " + v.backend);
+    // hidden_sizes [160]: a 125,600-element first layer (8-bit state, 491 blocks a worker) and
+    // small ones (float32 state under 4096 elements).
+    const fs::path cfg = write_config(v.optimizer + "-" + v.backend,
+                                      {{"hidden_sizes", "[160]"}, {"optimizer", v.optimizer}, {"lr", "0.002"},
+                                       // A schedule that does not depend on max_steps (the runs differ in it).
+                                       {"scheduler", "constant_with_warmup"}, {"warmup_steps", "2"},
+                                       {"checkpoint_every", "5"}, {"save_total_limit", "2"}, {"deterministic", "true"},
+                                       {"distributed_backend", v.backend}});
+    auto args = [](const char* steps) {
+      return std::vector<std::string>{"--nproc-per-node", "2", "--batch-size", "16", "--max-steps", steps};
+    };
+    const fs::path a = project("straight-" + v.optimizer), b = project("resumed-" + v.optimizer);
+    const Result straight = train(cfg, a, args("10"));
+    train(cfg, b, args("5"));
+    const Result resumed = train(cfg, b, args("10"));
+    if (HasFailure()) return;
+    EXPECT_NE(straight.all().find(v.engine_line), std::string::npos) << straight;
+    EXPECT_NE(resumed.all().find("resuming from"), std::string::npos) << resumed;
+    const auto fa = load_tensors(a / "final" / "model.safetensors");
+    const auto fb = load_tensors(b / "final" / "model.safetensors");
+    EXPECT_TRUE(bitwise_equal(fa, fb)) << "max abs diff " << max_abs_diff(fa, fb);
+    if (v.backend == "ddp") {
+      EXPECT_GT(max_abs_diff(fa, load_tensors(b / "checkpoint-5" / "model.safetensors")), 0.0);  // it trained
+      EXPECT_TRUE(bitwise_equal(load_tensors(a / "checkpoint-10" / "optimizer.safetensors"),
+                                load_tensors(b / "checkpoint-10" / "optimizer.safetensors")));
+    } else {
+      // ZeRO-3's shard files: master weights and 8-bit state of each worker.
+      for (const char* rank : {"rank-0.safetensors", "rank-1.safetensors"}) {
+        EXPECT_TRUE(bitwise_equal(load_tensors(a / "checkpoint-10" / "zero" / rank),
+                                  load_tensors(b / "checkpoint-10" / "zero" / rank)))
+            << rank;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // ZeRO-3 (distributed_backend zero3 / deepspeed): the same run as DDP; shard checkpoints that
 // resume at another world size and consolidate into what DDP saves. hidden_sizes [160] makes

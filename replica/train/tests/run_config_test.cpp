@@ -240,9 +240,10 @@ TEST_F(ConfigTest, WrongTypesNameKeyAndValue) {
 
 TEST_F(ConfigTest, EnumerationsAndRanges) {
   EXPECT_EQ(error_of(image_yaml("  optimizer: adam\n")),
-            "run.yaml:7: key 'params.optimizer' must be one of sgd, adamw, got 'adam'");
+            "run.yaml:7: key 'params.optimizer' must be one of sgd, adamw, adamw_bnb_8bit, paged_adamw_8bit, adafactor, got 'adam'");
   EXPECT_EQ(error_of(image_yaml("  scheduler: step\n")),
-            "run.yaml:7: key 'params.scheduler' must be one of constant, linear, cosine, got 'step'");
+            "run.yaml:7: key 'params.scheduler' must be one of constant, linear, cosine, cosine_with_restarts, polynomial, "
+            "constant_with_warmup, got 'step'");
   EXPECT_EQ(error_of(image_yaml("  mixed_precision: fp8\n")),
             "run.yaml:7: key 'params.mixed_precision' must be one of fp32, bf16, fp16, got 'fp8'");
   EXPECT_EQ(parse_config(image_yaml("  mixed_precision: fp16\n"), "r").params.mixed_precision, Precision::Fp16);

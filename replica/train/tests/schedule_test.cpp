@@ -1,6 +1,6 @@
-// Learning-rate schedules against Hugging Face's get_scheduler formulas (0-based steps):
+// Learning-rate schedules, properties of Hugging Face's get_scheduler formulas (0-based steps):
 // warm-up lr * step / warmup; then constant, linear decay to 0, or half-cosine decay to 0
-// at `total`.
+// at `total`. transformers' own rates at every step: schedule_conformance_test.cpp.
 #include "replica/train/schedule.h"
 
 #include "replica/core/error.h"
@@ -18,7 +18,8 @@ constexpr double kLr = 0.4;
 
 TEST(Schedule, WarmupIsLinearFromZeroForEveryScheduler) {
   using replica::train::SchedulerKind;
-  for (const SchedulerKind s : {SchedulerKind::Constant, SchedulerKind::Linear, SchedulerKind::Cosine}) {
+  for (const SchedulerKind s : {SchedulerKind::ConstantWithWarmup, SchedulerKind::Linear, SchedulerKind::Cosine,
+                                SchedulerKind::CosineWithRestarts, SchedulerKind::Polynomial}) {
     SCOPED_TRACE(replica::train::name_of(s));
     EXPECT_DOUBLE_EQ(learning_rate(s, kLr, 0, 100, 10), 0.0);
     EXPECT_DOUBLE_EQ(learning_rate(s, kLr, 1, 100, 10), kLr * 0.1);
@@ -72,8 +73,25 @@ TEST(Schedule, ConstantStaysAtTheBaseRate) {
   for (int64_t step : {0, 1, 7, 99, 100, 1000}) {
     EXPECT_DOUBLE_EQ(learning_rate(replica::train::SchedulerKind::Constant, kLr, step, 100, 0), kLr) << "step " << step;
   }
-  for (int64_t step : {4, 50, 100}) {
+  // transformers' get_scheduler("constant") has no warm-up: the warm-up steps change nothing.
+  for (int64_t step : {0, 1, 4, 50, 100}) {
     EXPECT_DOUBLE_EQ(learning_rate(replica::train::SchedulerKind::Constant, kLr, step, 100, 4), kLr) << "step " << step;
+  }
+  for (int64_t step : {4, 50, 100}) {
+    EXPECT_DOUBLE_EQ(learning_rate(replica::train::SchedulerKind::ConstantWithWarmup, kLr, step, 100, 4), kLr)
+        << "step " << step;
+  }
+}
+
+TEST(Schedule, PolynomialNeedsARateAboveItsEnd) {
+  EXPECT_NO_THROW(replica::train::check_schedule(replica::train::SchedulerKind::Polynomial, 1e-5));
+  EXPECT_NO_THROW(replica::train::check_schedule(replica::train::SchedulerKind::Linear, 1e-8));
+  try {
+    replica::train::check_schedule(replica::train::SchedulerKind::Polynomial, 1e-7);
+    FAIL() << "lr 1e-7 accepted";
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("params.lr"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("lr_end"), std::string::npos) << e.what();
   }
 }
 
