@@ -31,8 +31,8 @@ std::optional<int64_t> number_of(std::string_view s) {
 }
 
 // The names written whole: files and directories.
-constexpr std::array<std::string_view, 5> kFiles = {"config.yaml", "training_params.json", "metrics.jsonl",
-                                                    "metrics.png", "metrics.svg"};
+constexpr std::array<std::string_view, 6> kFiles = {"config.yaml", "training_params.json", "metrics.jsonl",
+                                                    "metrics.png", "metrics.svg", kRootOutputsList};
 constexpr std::array<std::string_view, 3> kDirectories = {"final", "merged", "errors"};
 
 bool is_fixed_file_name(std::string_view name) {
@@ -70,12 +70,22 @@ std::optional<int64_t> atomic_write_pid(std::string_view name) {
 
 enum class Kind { Output, Lookalike, Other };
 
+// A name a run may list in .replica-outputs: one plain file name, not one of the fixed ones.
+bool is_listable_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos && name.size() <= 255 && !is_fixed_file_name(name);
+}
+
 // What `entry` is, by its name and its own type (a symbolic link is never followed).
 Kind classify(const fs::path& entry) {
   const std::string name = entry.filename().string();
   const bool named_dir = std::find(kDirectories.begin(), kDirectories.end(), name) != kDirectories.end() ||
                          checkpoint_step(name) >= 0 || checkpoint_staging(name) || is_zero_staging(name);
-  const bool named_file = is_fixed_file_name(name) || atomic_write_pid(name).has_value();
+  bool named_file = is_fixed_file_name(name) || atomic_write_pid(name).has_value();
+  if (!named_dir && !named_file && is_listable_name(name)) {
+    const auto listed = root_outputs(entry.parent_path());
+    named_file = std::find(listed.begin(), listed.end(), name) != listed.end();
+  }
   if (!named_dir && !named_file) return Kind::Other;
   std::error_code ec;
   const fs::file_status st = fs::symlink_status(entry, ec);
@@ -128,6 +138,52 @@ bool is_replica_checkpoint(const fs::path& dir) {
 }
 
 bool is_run_output(const fs::path& entry) { return classify(entry) == Kind::Output; }
+
+std::vector<std::string> root_outputs(const fs::path& project) {
+  const fs::path list = project / kRootOutputsList;
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::symlink_status(list, ec))) return {};
+  // A few names; a list larger than this was not written by a run.
+  constexpr uintmax_t kMaxBytes = 1 << 20;
+  if (fs::file_size(list, ec) > kMaxBytes || ec) return {};
+  std::vector<std::string> names;
+  std::string text = read_file(list.string(), kMaxBytes);
+  for (size_t from = 0; from < text.size();) {
+    const size_t end = std::min(text.find('\n', from), text.size());
+    std::string name = text.substr(from, end - from);
+    if (is_listable_name(name)) names.push_back(std::move(name));
+    from = end + 1;
+  }
+  return names;
+}
+
+bool place_in_project(const fs::path& project, const fs::path& source, const std::string& name) {
+  if (!is_listable_name(name)) fail("internal error: '{}' cannot be placed in a project directory", name);
+  const fs::path target = project / name;
+  std::vector<std::string> listed = root_outputs(project);
+  const bool ours = std::find(listed.begin(), listed.end(), name) != listed.end();
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(target, ec);
+  if (fs::exists(st) && !(ours && fs::is_regular_file(st))) return false;  // the user's: left alone
+  if (!ours) {
+    // Recorded before the file appears: a run killed in between leaves a name that lists nothing.
+    listed.push_back(name);
+    std::string text;
+    for (const auto& n : listed) text += n + "\n";
+    write_file_atomically((project / kRootOutputsList).string(), text);
+  }
+  const fs::path staging = project / (name + ".tmp." + std::to_string(::getpid()));
+  fs::remove(staging, ec);
+  fs::create_hard_link(source, staging, ec);
+  if (ec) {
+    ec.clear();
+    fs::copy_file(source, staging, fs::copy_options::overwrite_existing, ec);
+    if (ec) fail("cannot write '{}' into '{}': {}", name, project.string(), ec.message());
+  }
+  fs::rename(staging, target, ec);
+  if (ec) fail("cannot write '{}': {}", target.string(), ec.message());
+  return true;
+}
 
 std::vector<fs::path> run_outputs(const fs::path& project) { return entries_of_kind(project, Kind::Output); }
 

@@ -27,10 +27,21 @@ bool is_replica_checkpoint(const std::filesystem::path& dir);
 
 // Whether `entry`, directly inside a project directory, is one a run writes: the files
 // config.yaml, training_params.json, metrics.jsonl, metrics.png/svg (replica plot),
-// events.out.tfevents.*; the directories checkpoint-N (is_replica_checkpoint), final/,
+// events.out.tfevents.*, .replica-outputs and the files it lists; the directories checkpoint-N (is_replica_checkpoint), final/,
 // merged/, errors/; and the staging names of their atomic writes (the directories
 // .checkpoint-N.tmp-PID / .checkpoint-N.old-PID / .zero-N, the files NAME.tmp.PID).
 bool is_run_output(const std::filesystem::path& entry);
+
+// Files a run writes directly into project_name beside the fixed names above (the model card
+// README.md, a merged model's files where AutoTrain writes them) are listed, one name a line, in
+// project_name/.replica-outputs: is_run_output knows them (and --overwrite removes them) by it.
+constexpr const char* kRootOutputsList = ".replica-outputs";
+std::vector<std::string> root_outputs(const std::filesystem::path& project);
+// Puts `source`, a file the run wrote, into project as `name` (a hard link, else a copy; atomic),
+// listing it. False, and nothing done, when project holds a `name` replica did not write (a
+// user's README.md stays).
+bool place_in_project(const std::filesystem::path& project, const std::filesystem::path& source,
+                      const std::string& name);
 
 // The entries of `project` that a run wrote, sorted by name (empty when it does not exist).
 std::vector<std::filesystem::path> run_outputs(const std::filesystem::path& project);

@@ -565,7 +565,14 @@ void check_resume_from(const RunConfig& c, const KeyLocation& loc) {
 }
 
 void check_config(const RunConfig& c, const KeyLocation& loc) {
-  check_one_of(loc, "backend", c.backend, {"local"});
+  if (c.backend != "local") {
+    // AutoTrain's other backends (spaces-*, ep-*, ngc-*, nvcf-*, local-cli, ...) are its hosted
+    // services or its own CLI; replica's runs go where it is started.
+    fail("{}backend '{}' is not replica's: replica runs where it is started (backend: local); AutoTrain's hosted "
+         "backends (Hugging Face Spaces, endpoints, NGC/DGX Cloud) need its service, and clusters take replica "
+         "launch, Slurm, Ray, Spark or Kubernetes (docs/multi-node.md)",
+         loc.where("backend"), excerpt(c.backend));
+  }
   const TaskSpec& spec = task_spec(c.task);
   if (spec.models.empty()) {
     if (c.base_model.empty()) fail("{}base_model is required for task {}", loc.where("base_model"), c.task);

@@ -1,5 +1,7 @@
 #include "replica/train/trainer.h"
 
+#include "replica/train/model_card.h"
+
 #include "replica/core/error.h"
 #include "replica/core/files.h"
 #include "replica/core/system.h"
@@ -410,6 +412,11 @@ int run_worker(const RunConfig& config) {
   engine->gather_full_model();
   if (main) {
     workload->save_final((project / "final").string());
+    // AutoTrain's model card (model_card.h), after the metrics are complete.
+    if (write_model_card(config, workload->model_card()).empty()) {
+      spdlog::warn("{}/README.md is not replica's: the model card is in {}/final/README.md", config.project_name,
+                   config.project_name);
+    }
     const std::string skipped =
         state.nonfinite_skipped_steps == 0
             ? ""

@@ -47,6 +47,14 @@ struct EvalSums {
   std::map<std::string, double> extra;
 };
 
+// What a task adds to the run's model card (model_card.h): the Hub's library_name and tags, and
+// how to load final/ (markdown).
+struct ModelCardInfo {
+  std::string library_name;
+  std::vector<std::string> tags;
+  std::string usage;
+};
+
 class Workload {
  public:
   virtual ~Workload() = default;
@@ -70,6 +78,8 @@ class Workload {
   virtual void write_checkpoint_extras(const std::string& dir) const {}
   // Writes project/final/: default model.safetensors + config.json.
   virtual void save_final(const std::string& final_dir);
+  // The task's part of README.md (model_card.h); default: none.
+  virtual ModelCardInfo model_card() const { return {}; }
   // Tokens in the given training samples (0 when the task has no tokens): tokens_per_s.
   virtual int64_t tokens_in(const std::vector<int64_t>& indices) const { return 0; }
 

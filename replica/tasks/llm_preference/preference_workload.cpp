@@ -194,6 +194,7 @@ class PreferenceWorkload final : public train::Workload {
     }
   }
 
+  train::ModelCardInfo model_card() const override { return train::llm_model_card(config_); }
   std::shared_ptr<torch::nn::Module> model() override {
     if (trainer_ == Trainer::Reward) return reward_.ptr();
     return llm_.ptr();
@@ -287,13 +288,8 @@ class PreferenceWorkload final : public train::Workload {
       models::save_adapter(*model_const(), lora_, final_dir, score_tensors());
       train::copy_tokenizer_files(config_.base_model, final_dir);
       if (settings_.merge_adapter) {
-        if (trainer_ == Trainer::Reward) {
-          spdlog::warn("llm-reward: merge_adapter: a reward model's adapter is not merged (load final/ with PEFT)");
-        } else {
-          const std::string merged = (fs::path(final_dir).parent_path() / "merged").string();
-          models::merge_adapter_dir(config_.base_model, final_dir, merged);
-          spdlog::info("llm-{}: merged model in {}", llm_params(config_).trainer, merged);
-        }
+        // A reward model's adapter stays one (its config note says so: llm_sft_task).
+        if (trainer_ != Trainer::Reward) train::merge_into_project(config_, final_dir, "llm-" + llm_params(config_).trainer);
       }
       return;
     }

@@ -9,6 +9,7 @@
 #include "replica/models/hf_model_dir.h"
 #include "replica/models/llama.h"
 #include "replica/text/chat_template.h"
+#include "replica/train/project_dir.h"
 #include "replica/train/task.h"
 
 #include <fmt/ranges.h>
@@ -55,6 +56,55 @@ bool is_tokenizer_file(const std::string& name) {
 }
 
 }  // namespace
+
+void merge_into_project(const RunConfig& config, const std::string& final_dir, const std::string& tag) {
+  const fs::path project = fs::path(final_dir).parent_path(), merged = project / "merged";
+  models::merge_adapter_dir(config.base_model, final_dir, merged.string());
+  std::vector<std::string> kept;
+  for (const auto& entry : fs::directory_iterator(merged)) {
+    if (!entry.is_regular_file()) continue;
+    const std::string name = entry.path().filename().string();
+    if (!place_in_project(project, entry.path(), name)) kept.push_back(name);
+  }
+  spdlog::info("{}: merged model in {} and in {} (where AutoTrain writes it)", tag, merged.string(), project.string());
+  if (!kept.empty()) {
+    spdlog::warn("{}: {} in {} not replica's, left alone: load the merged model from {}", tag, fmt::join(kept, ", "),
+                 project.string(), merged.string());
+  }
+}
+
+ModelCardInfo llm_model_card(const RunConfig& config) {
+  const LlmParams& l = llm_params(config);
+  ModelCardInfo card;
+  const bool reward = l.trainer == "reward";
+  card.library_name = l.peft ? "peft" : "transformers";
+  card.tags = {reward ? "text-classification" : "text-generation", l.trainer};
+  if (l.peft) card.tags.push_back("lora");
+  const std::string cls = reward ? "AutoModelForSequenceClassification" : "AutoModelForCausalLM";
+  if (l.peft && !(l.merge_adapter && !reward)) {
+    card.usage = fmt::format(R"(```python
+from peft import PeftModel
+from transformers import {0}, AutoTokenizer
+
+base = {0}.from_pretrained("{1}"{2})
+model = PeftModel.from_pretrained(base, "{3}/final")
+tokenizer = AutoTokenizer.from_pretrained("{3}/final")
+```
+)",
+                             cls, config.base_model, reward ? ", num_labels=1" : "", config.project_name);
+  } else {
+    const std::string dir = l.peft ? config.project_name : config.project_name + "/final";
+    card.usage = fmt::format(R"(```python
+from transformers import {0}, AutoTokenizer
+
+model = {0}.from_pretrained("{1}")
+tokenizer = AutoTokenizer.from_pretrained("{1}")
+```
+)",
+                             cls, dir);
+  }
+  return card;
+}
 
 void copy_tokenizer_files(const std::string& from, const std::string& to) {
   for (const auto& entry : fs::directory_iterator(from)) {
@@ -288,6 +338,7 @@ class LlmSft final : public Workload {
   }
 
   std::shared_ptr<torch::nn::Module> model() override { return model_.ptr(); }
+  ModelCardInfo model_card() const override { return llm_model_card(config_); }
   int64_t train_size() const override { return static_cast<int64_t>(train_.rows.size()); }
   int64_t valid_size() const override { return static_cast<int64_t>(valid_.size()); }
 
@@ -362,11 +413,7 @@ class LlmSft final : public Workload {
     if (settings_.peft) {
       models::save_adapter(*model_, lora_, final_dir);
       copy_tokenizer_files(config_.base_model, final_dir);
-      if (settings_.merge_adapter) {
-        const std::string merged = (fs::path(final_dir).parent_path() / "merged").string();
-        models::merge_adapter_dir(config_.base_model, final_dir, merged);
-        spdlog::info("llm-sft: merged model in {}", merged);
-      }
+      if (settings_.merge_adapter) merge_into_project(config_, final_dir, "llm-sft");
     } else {
       // A plain HF model directory in the base checkpoint's dtype, with its tokenizer.
       models::save_hf_model_dir(model_, final_dir, config_.base_model);
@@ -489,7 +536,13 @@ TaskSpec llm_sft_task() {
           "also fold the adapter into the base model: project_name/merged/, and the merged model's files in "
           "project_name itself, where AutoTrain writes them")
           .group("LoRA")
-          .unused_when(without_peft),
+          .unused_when([](const RunConfig& c) {
+            if (!llm_params(c).peft) return without_peft(c);
+            return llm_params(c).trainer == "reward"
+                       ? std::string("for trainer reward (a reward model's adapter and score head stay an adapter: "
+                                     "load final/ with PEFT)")
+                       : std::string();
+          }),
       key("model_max_length", &L::model_max_length, "samples are truncated to this many tokens")
           .group("LLM")
           .at_least(1),

@@ -66,6 +66,14 @@ models::QuantOptions quant_options_of(const RunConfig& config);
 // Copies the tokenizer files of model directory FROM into TO (final/ carries them).
 void copy_tokenizer_files(const std::string& from, const std::string& to);
 
+// merge_adapter: merges final/'s adapter into the base as project_name/merged/ and places its
+// files in project_name itself, where AutoTrain writes the merged model (project_dir.h: never over
+// a file of the user's). `tag` names the trainer in the log.
+void merge_into_project(const RunConfig& config, const std::string& final_dir, const std::string& tag);
+
+// The llm trainers' part of the model card: PEFT or transformers, the trainer, how to load final/.
+ModelCardInfo llm_model_card(const RunConfig& config);
+
 // What can be refused before workers start: quantization without peft or with ZeRO-3, a
 // base model directory without config.json or tokenizer, a missing data file.
 void check_llm_sft_config(const RunConfig& config);

@@ -164,20 +164,20 @@ TEST_P(AutoTrainConfigs, TrainAsWrittenOrStopWithTheStatedReason) {
     ASSERT_EQ(r.exit_code, 0) << r;
   } else {
     EXPECT_NE(r.exit_code, 0) << r;
-    EXPECT_NE(r.output.find(c.as_written), std::string::npos) << r;
-    EXPECT_NE(r.output.find(file.string() + ":"), std::string::npos) << "the refusal names the file: " << r;
+    EXPECT_NE(r.all().find(c.as_written), std::string::npos) << r;
+    EXPECT_NE(r.all().find(file.string() + ":"), std::string::npos) << "the refusal names the file: " << r;
     if (c.with_hub_false == nullptr) return;
     const Result again = run_config(file, {"--push-to-hub", "false"});
     if (std::string(c.with_hub_false).empty()) {
       ASSERT_EQ(again.exit_code, 0) << again;
     } else {
       EXPECT_NE(again.exit_code, 0) << again;
-      EXPECT_NE(again.output.find(c.with_hub_false), std::string::npos) << again;
+      EXPECT_NE(again.all().find(c.with_hub_false), std::string::npos) << again;
       return;
     }
   }
   for (const auto& note : c.notes) {
-    const std::string all = r.output;
+    const std::string all = r.all();
     EXPECT_NE(all.find(note), std::string::npos) << "note '" << note << "' missing: " << r;
   }
   // What AutoTrain leaves in project_name, besides replica's own files: the model card.
@@ -213,17 +213,17 @@ TEST(AutoTrainResume, SaveStepsCheckpointsResumeAndAnOlderCheckpointIsRefusedWit
   // resume_from_checkpoint null: continue from the newest.
   const Result more = run_config(file, {"--project-name", project.string(), "--max-steps", "3"});
   ASSERT_EQ(more.exit_code, 0) << more;
-  EXPECT_NE(more.output.find("resum"), std::string::npos) << more;
+  EXPECT_NE(more.all().find("resum"), std::string::npos) << more;
   EXPECT_TRUE(fs::exists(project / "checkpoint-3"));
   // An older checkpoint than the newest: refused, saying why.
   const Result older = run_config(file, {"--project-name", project.string(), "--max-steps", "4",
                                          "--resume-from-checkpoint", (project / "checkpoint-2").string()});
   EXPECT_NE(older.exit_code, 0) << older;
-  EXPECT_NE(older.output.find("is older than"), std::string::npos) << older;
+  EXPECT_NE(older.all().find("is older than"), std::string::npos) << older;
   // false: a fresh start only, and this project has checkpoints.
   const Result fresh = run_config(file, {"--project-name", project.string(), "--resume-from-checkpoint", "false"});
   EXPECT_NE(fresh.exit_code, 0) << fresh;
-  EXPECT_NE(fresh.output.find("resume_from_checkpoint is false"), std::string::npos) << fresh;
+  EXPECT_NE(fresh.all().find("resume_from_checkpoint is false"), std::string::npos) << fresh;
 }
 
 // ---- How the keys read (no worker).
