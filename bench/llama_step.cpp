@@ -1,10 +1,10 @@
 // Tokens/s of a full training step (forward, loss, backward, AdamW) of a Llama, against the
 // same model in PyTorch eager (bench/llama_step.py), on the CPU or a GPU.
 // usage: bench_llama_step [--batch 4 --seq 256 --steps 10 --warmup 2 --threads 1 --profile FILE]
-//                         [--device cpu|cuda] [--dtype fp32|bf16|bf16-weights] [--preset small|500m] [--peak-tflops T]
+//                         [--device cpu|cuda] [--dtype fp32|bf16|fp16|bf16-weights] [--preset small|500m] [--peak-tflops T]
 // --profile writes a Chrome trace of the timed steps (per-op times; bench/op_times.py sums them).
 // --dtype bf16 runs forward and backward under bf16 autocast with fp32 weights and optimizer
-// state, as the trainer's mixed_precision: bf16 does. --dtype bf16-weights holds the weights in
+// state, as the trainer's mixed_precision: bf16 does (fp16 likewise, without loss scaling). --dtype bf16-weights holds the weights in
 // bf16 and computes in bf16 throughout (no autocast), the optimizer stepping fp32 master copies
 // (train/optim.h, Note [master weights]): FSDP2's MixedPrecisionPolicy(param_dtype=bf16), what
 // torchtitan trains with. --peak-tflops prints the model FLOPs
@@ -57,8 +57,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads")->capture_default_str();
   app.add_option("--profile", profile, "Write a Chrome trace of the timed steps to this file");
   app.add_option("--device", device_name, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  app.add_option("--dtype", dtype, "fp32, bf16 (autocast), or bf16-weights")
-      ->check(CLI::IsMember({"fp32", "bf16", "bf16-weights"}))
+  app.add_option("--dtype", dtype, "fp32, bf16 or fp16 (autocast), or bf16-weights")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "bf16-weights"}))
       ->capture_default_str();
   app.add_option("--preset", preset, "small (20M) or 500m")->check(CLI::IsMember({"small", "500m"}))->capture_default_str();
   app.add_option("--peak-tflops", peak_tflops, "The device's peak TFLOP/s: prints MFU");
@@ -68,7 +68,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_llama_step: --device cuda but no GPU is visible\n");
     return 1;
   }
-  const bool bf16 = dtype == "bf16";  // autocast; bf16-weights converts the model instead
+  // autocast to bf16 or fp16 (the step's speed: no loss scaling); bf16-weights converts the model instead
+  const bool bf16 = dtype == "bf16" || dtype == "fp16";
+  const auto autocast_dtype = dtype == "fp16" ? at::kHalf : at::kBFloat16;
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize();
   };
@@ -93,7 +95,7 @@ int main(int argc, char** argv) {
     auto ids = torch::randint(0, config.vocab_size, {batch, seq}, gen).to(device);
     for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
     at::autocast::set_autocast_enabled(device.type(), bf16);
-    if (bf16) at::autocast::set_autocast_dtype(device.type(), at::kBFloat16);
+    if (bf16) at::autocast::set_autocast_dtype(device.type(), autocast_dtype);
     loss = replica::models::causal_lm_loss(model->forward(ids), ids);
     at::autocast::set_autocast_enabled(device.type(), false);
     if (bf16) at::autocast::clear_cache();

@@ -243,6 +243,8 @@ std::string env_report(bool json) {
   // The other paths picked from the CPU (docs/code-paths.md lists each and how to force it).
   out += fmt::format("bf16 CPU GEMMs:      {} (REPLICA_CPU_BF16_GEMM=fp32|aten forces)\n",
                      models::cpu_bf16_through_fp32() ? "through the fp32 GEMM" : "ATen's bf16 kernels");
+  out += fmt::format("fp16 CPU GEMMs:      {} (REPLICA_CPU_FP16_GEMM=fp32|aten forces)\n",
+                     models::cpu_fp16_through_fp32() ? "through the fp32 GEMM" : "ATen's fp16 kernels");
   out += fmt::format("fused CPU kernels:   {} (REPLICA_FUSED_KERNELS=0 turns off)\n",
                      !models::fused_cpu_kernels_available() ? "no (needs AVX2 and FMA)"
                      : models::fused_kernels_for(at::zeros({1})) ? "yes (AVX2 + FMA)"

@@ -23,8 +23,9 @@ using torch::autograd::variable_list;
 // autocast to bf16), else the hidden states' own. The forward records it and the backward, which
 // runs outside autocast, recomputes each chunk's logits in that same dtype, so the gradient
 // softmax - one_hot is taken of the logits whose log-sum-exp the forward kept (an fp32 backward
-// against a bf16 forward's log-sum-exp would leave softmax rows that do not sum to 1). bf16 on a
-// CPU without bf16 arithmetic goes through the fp32 GEMM (models/linear.h cpu_bf16_matmul): the
+// against a bf16 forward's log-sum-exp would leave softmax rows that do not sum to 1). bf16 or
+// fp16 on a CPU without that type's arithmetic goes through the fp32 GEMM (models/linear.h
+// cpu_half_matmul; fp16's generic ATen loop is slower still): the
 // head is a [tokens, H] x [H, vocab] product three times a step (forward, the backward's
 // recomputation, the input gradient), and ATen's generic bf16 CPU GEMM ran it single-threaded at
 // ~1/57 of the fp32 speed: 2048 tokens at hidden 4096 and a 32k vocabulary took over 30 minutes
@@ -37,15 +38,13 @@ at::ScalarType product_dtype(const torch::Tensor& hidden) {
   return hidden.scalar_type();
 }
 
-// Whether h's (bf16) products go through the fp32 GEMM here.
-bool through_fp32(const torch::Tensor& h) {
-  return h.is_cpu() && h.scalar_type() == torch::kBFloat16 && cpu_bf16_through_fp32();
-}
+// Whether h's (bf16 or fp16) products go through the fp32 GEMM here.
+bool through_fp32(const torch::Tensor& h) { return h.is_cpu() && cpu_half_through_fp32(h.scalar_type()); }
 
-// a32 [M, K] (fp32) times w [K, N] (bf16) summed in fp32, w widened a block of its rows (8 MiB of
-// fp32) at a time, and rounded to bf16 once: the input gradient d W of a [chunk, vocab] by
-// [vocab, H] product without an fp32 copy of W and with GEMMs of full width (cpu_bf16_matmul
-// blocks the other way: by W's columns, 65 at a 32k vocabulary).
+// a32 [M, K] (fp32) times w [K, N] (bf16 or fp16) summed in fp32, w widened a block of its rows
+// (8 MiB of fp32) at a time, and rounded to w's type once: the input gradient d W of a [chunk,
+// vocab] by [vocab, H] product without an fp32 copy of W and with GEMMs of full width
+// (cpu_half_matmul blocks the other way: by W's columns, 65 at a 32k vocabulary).
 torch::Tensor widened_matmul_by_row_blocks(const torch::Tensor& a32, const torch::Tensor& w) {
   const int64_t k = w.size(0), n = w.size(1);
   auto out = torch::zeros({a32.size(0), n}, a32.options());
@@ -54,7 +53,7 @@ torch::Tensor widened_matmul_by_row_blocks(const torch::Tensor& a32, const torch
     const int64_t rb = std::min(block, k - r);
     out.addmm_(a32.narrow(1, r, rb), w.narrow(0, r, rb).to(torch::kFloat32));
   }
-  return out.to(torch::kBFloat16);
+  return out.to(w.scalar_type());
 }
 
 // The chunk's logits as the head computes them, in fp32; h and weight already in the product
@@ -62,7 +61,7 @@ torch::Tensor widened_matmul_by_row_blocks(const torch::Tensor& a32, const torch
 // core/cpu_gemm.h chose it), as the head's forward.
 torch::Tensor chunk_logits(const torch::Tensor& h, const torch::Tensor& weight, const torch::Tensor& bias) {
   const auto optional_bias = bias.numel() > 0 ? bias.to(h.scalar_type()) : torch::Tensor();  // undefined = none
-  if (through_fp32(h)) return cpu_bf16_matmul(h, weight.t(), optional_bias).to(torch::kFloat32);
+  if (through_fp32(h)) return cpu_half_matmul(h, weight.t(), optional_bias).to(torch::kFloat32);
   // No autocast here: the operands are in the product dtype already (Note [the head's product dtype]).
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   if (linear_uses_openblas(h, weight, optional_bias)) return models::linear(h, weight, optional_bias);

@@ -1,6 +1,7 @@
 #include "replica/models/fused_linear.h"
 
 #include "replica/core/gradient_home.h"
+#include "replica/models/linear.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
@@ -15,6 +16,12 @@ using torch::autograd::variable_list;
 bool is_home(const torch::Tensor& grad, const torch::Tensor& home) {
   return grad.defined() && grad.data_ptr() == home.data_ptr() && grad.sizes() == home.sizes() &&
          grad.strides() == home.strides();
+}
+
+// Whether the half-type products of these CPU tensors go through the fp32 GEMM (models/linear.h).
+bool through_fp32(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c = {}) {
+  return a.is_cpu() && b.is_cpu() && b.scalar_type() == a.scalar_type() &&
+         (!c.defined() || (c.is_cpu() && c.scalar_type() == a.scalar_type())) && cpu_half_through_fp32(a.scalar_type());
 }
 
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
@@ -35,7 +42,10 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     ctx->save_for_backward({x, w});
     ctx->saved_data["parameter"] = weight;
     ctx->saved_data["has_bias"] = bias.defined();
-    // torch::nn::functional::linear's computation for 2-D inputs.
+    // torch::nn::functional::linear's computation for 2-D inputs; bf16 or fp16 on a CPU without
+    // that type's arithmetic through the fp32 GEMM, rounded once (models/linear.h: ATen's
+    // generic half-type GEMM loop there is tens of times slower than fp32's).
+    if (through_fp32(x, w, b)) return cpu_half_matmul(x, w.t(), b);
     return b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
   }
 
@@ -45,7 +55,9 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     const torch::Tensor& weight = saved[1];
     const torch::Tensor& grad_out = grads[0];
     torch::Tensor grad_input, grad_weight, grad_bias;
-    if (ctx->needs_input_grad(0)) grad_input = grad_out.mm(weight);
+    // The products through dtype_matmul: the fp32 GEMM for bf16 / fp16 on a CPU without their
+    // arithmetic, else at::mm.
+    if (ctx->needs_input_grad(0)) grad_input = dtype_matmul(grad_out, weight);
     if (ctx->needs_input_grad(2) && ctx->saved_data["has_bias"].toBool()) grad_bias = grad_out.sum(0);
     if (ctx->needs_input_grad(1)) {
       torch::Tensor parameter = ctx->saved_data["parameter"].toTensor();
@@ -53,13 +65,22 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
       torch::Tensor& current = parameter.mutable_grad();
       const bool fusable = home.defined() && !torch::GradMode::is_enabled() && home.sizes() == weight.sizes() &&
                            home.is_contiguous() && home.scalar_type() == grad_out.scalar_type();
+      const bool widened = through_fp32(grad_out, input);
       if (fusable && !current.defined()) {
-        at::mm_out(home, grad_out.t(), input);
+        if (widened) {
+          home.copy_(cpu_half_matmul(grad_out.t(), input));
+        } else {
+          at::mm_out(home, grad_out.t(), input);
+        }
         current = home;
       } else if (fusable && is_home(current, home)) {
-        home.addmm_(grad_out.t(), input);
+        if (widened) {  // home + the product summed in fp32, rounded once, as addmm_
+          home.copy_(at::addmm(home.to(torch::kFloat32), grad_out.t().to(torch::kFloat32), input.to(torch::kFloat32)));
+        } else {
+          home.addmm_(grad_out.t(), input);
+        }
       } else {
-        grad_weight = grad_out.t().mm(input);
+        grad_weight = dtype_matmul(grad_out.t(), input);
       }
     }
     return {grad_input, grad_weight, grad_bias};

@@ -18,6 +18,7 @@
 
 #include <ATen/SDPBackend.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -669,7 +670,29 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     v = v.repeat_interleave(groups, /*dim=*/1);
     gqa = false;
   }
-  auto out = at::scaled_dot_product_attention(q, k, v, mask, dropout, causal, scaling_, gqa);
+  torch::Tensor out;
+  // The dtype the kernel computes in: CPU autocast's (it casts attention's operands), else q's.
+  const auto attention_dtype = q.is_cpu() && at::autocast::is_autocast_enabled(at::kCPU)
+                                   ? at::autocast::get_autocast_dtype(at::kCPU)
+                                   : q.scalar_type();
+  if (q.is_cpu() && attention_dtype == torch::kHalf && cpu_fp16_through_fp32()) {
+    // Note [fp16 attention through fp32 on CPUs without fp16 arithmetic]
+    // ATen's CPU flash kernel multiplies fp16 with its generic GEMM loop on a CPU without
+    // AVX512-FP16 / AMX-FP16: 6.8x the fp32 kernel's time, forward and backward, on the LLM step
+    // benchmark (2.6 s of a 5.9 s step), the largest cost of mixed_precision: fp16 once the
+    // layers' GEMMs went through fp32 (models/linear.h). So fp16 attention takes the fp32 kernel there, on q, k, v rounded
+    // to fp16 (as autocast casts them) and widened exactly, its output rounded to fp16 once (the backward, through the casts, gives
+    // fp16 gradients of q, k, v). The one rounding point it drops is the fp16 kernels' rounding
+    // of the probabilities before the product with v (ATen's CPU kernel and FlashAttention on a
+    // GPU both make it): the result is that much closer to exact, within an fp16 ulp of theirs.
+    // REPLICA_CPU_FP16_GEMM=aten restores ATen's fp16 kernel with the GEMMs'.
+    const auto f32 = [](const torch::Tensor& t) { return t.to(torch::kHalf).to(torch::kFloat32); };
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);  // autocast would cast back
+    out = at::scaled_dot_product_attention(f32(q), f32(k), f32(v), mask, dropout, causal, scaling_, gqa)
+              .to(torch::kHalf);
+  } else {
+    out = at::scaled_dot_product_attention(q, k, v, mask, dropout, causal, scaling_, gqa);
+  }
   out = out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_});
   return o_proj(out);
 }

@@ -8,6 +8,7 @@
 #include "replica/data/sampler.h"
 #include "replica/distributed/process_group.h"
 #include "replica/launch/launcher.h"
+#include "replica/models/linear.h"
 #include "replica/obs/plot.h"
 #include "replica/obs/timeline.h"
 #include "replica/train/engine.h"
@@ -82,6 +83,29 @@ distributed::ProcessGroupOptions process_group_options(const RunParams& p, torch
   options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.collective_timeout * 1000));
   options.token = p.token;  // empty: REPLICA_TOKEN from the launcher
   return options;
+}
+
+// A bf16 / fp16 run on the CPU says which GEMMs its products take (models/linear.h): through the
+// fp32 GEMM where the CPU lacks the type's arithmetic, and a warning where ATen's generic loop was
+// forced there (tens of times slower than fp32: never silently slow).
+void log_cpu_half_gemms(Precision precision) {
+  const bool fp16 = precision == Precision::Fp16;
+  const auto dtype = fp16 ? at::kHalf : at::kBFloat16;
+  const char* type = fp16 ? "fp16" : "bf16";
+  const char* isa = fp16 ? "AVX512-FP16 / AMX-FP16" : "AVX512-BF16 / AMX-BF16";
+  const char* var = fp16 ? "REPLICA_CPU_FP16_GEMM" : "REPLICA_CPU_BF16_GEMM";
+  if (models::cpu_half_through_fp32(dtype)) {
+    spdlog::info("mixed_precision {}: {} the model's GEMMs run through the fp32 GEMM on {} values, rounded to {} "
+                 "once ({}=aten forces ATen's {} kernels)",
+                 type, models::cpu_does_half_arithmetic(dtype) ? fmt::format("{}=fp32:", var)
+                                                               : fmt::format("this CPU has no {}, so", isa),
+                 type, type, var, type);
+  } else if (!models::cpu_does_half_arithmetic(dtype)) {
+    spdlog::warn("mixed_precision {} with {}=aten on a CPU without {}: ATen's generic {} GEMM loop, tens of times "
+                 "slower than fp32; unset {} (the GEMMs then go through the fp32 GEMM, the same rounding) or use "
+                 "fp32",
+                 type, var, isa, type, var);
+  }
 }
 
 // The training loop of one worker, from the first step to be taken (fresh or resumed) to
@@ -371,6 +395,7 @@ int run_worker(const RunConfig& config) {
                  pg->size(), pg->size() == 1 ? "" : "s", threads, threads == 1 ? "" : "s",
                  device.is_cuda() ? "cuda:LOCAL_RANK" : "cpu", name_of(p.distributed_backend));
     for (const auto& note : config.notes) spdlog::info("note: {}", note);
+    if (!device.is_cuda() && p.mixed_precision != Precision::Fp32) log_cpu_half_gemms(p.mixed_precision);
   }
 
   torch::manual_seed(static_cast<uint64_t>(p.seed));

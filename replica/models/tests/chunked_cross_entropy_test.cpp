@@ -51,24 +51,36 @@ TEST(ChunkedCrossEntropy, EqualsThePlainHeadAndLossInFp32) {
   }
 }
 
-// Both bf16 product paths: through the fp32 GEMM (CPUs without bf16 arithmetic) and ATen's bf16
-// GEMM; the plain path is ATen's either way.
-TEST(ChunkedCrossEntropy, Bf16HiddenStatesGiveThePlainPathsNumbers) {
+// Both product paths of a half type: through the fp32 GEMM (CPUs without the type's arithmetic)
+// and ATen's kernels of the type; the plain path is ATen's either way. `bound`: the gradients'
+// distance, relative to their largest element.
+void expect_half_paths_give_the_plain_paths_numbers(torch::ScalarType dtype, double loss_bound, double bound) {
+  const auto set = dtype == torch::kHalf ? replica::models::set_cpu_fp16_through_fp32
+                                         : replica::models::set_cpu_bf16_through_fp32;
   struct Restore {
-    bool was = replica::models::cpu_bf16_through_fp32();
-    ~Restore() { replica::models::set_cpu_bf16_through_fp32(was); }
-  } restore;
-  replica::models::set_cpu_bf16_through_fp32(false);
-  const Result plain = run(false, torch::kBFloat16, 0);
+    decltype(set) set_;
+    bool was;
+    ~Restore() { set_(was); }
+  } restore{set, set(false)};
+  const Result plain = run(false, dtype, 0);
   for (const bool widened : {true, false}) {
-    replica::models::set_cpu_bf16_through_fp32(widened);
-    const Result c = run(true, torch::kBFloat16, 16);
-    EXPECT_NEAR(c.loss.item<double>(), plain.loss.item<double>(), 1e-3 * plain.loss.item<double>()) << widened;
-    EXPECT_EQ(c.grad_h.scalar_type(), torch::kBFloat16);
-    EXPECT_LE(diff(c.grad_h, plain.grad_h), 2e-2 * plain.grad_h.abs().max().item<double>()) << widened;
-    EXPECT_LE(diff(c.grad_w, plain.grad_w), 2e-2 * plain.grad_w.abs().max().item<double>()) << widened;
-    EXPECT_LE(diff(c.grad_b, plain.grad_b), 2e-2 * plain.grad_b.abs().max().item<double>()) << widened;
+    set(widened);
+    const Result c = run(true, dtype, 16);
+    EXPECT_NEAR(c.loss.item<double>(), plain.loss.item<double>(), loss_bound * plain.loss.item<double>()) << widened;
+    EXPECT_EQ(c.grad_h.scalar_type(), dtype);
+    EXPECT_LE(diff(c.grad_h, plain.grad_h), bound * plain.grad_h.abs().max().item<double>()) << widened;
+    EXPECT_LE(diff(c.grad_w, plain.grad_w), bound * plain.grad_w.abs().max().item<double>()) << widened;
+    EXPECT_LE(diff(c.grad_b, plain.grad_b), bound * plain.grad_b.abs().max().item<double>()) << widened;
   }
+}
+
+TEST(ChunkedCrossEntropy, Bf16HiddenStatesGiveThePlainPathsNumbers) {
+  expect_half_paths_give_the_plain_paths_numbers(torch::kBFloat16, 1e-3, 2e-2);
+}
+
+// fp16 (mixed_precision: fp16's head), 8x finer than bf16.
+TEST(ChunkedCrossEntropy, Fp16HiddenStatesGiveThePlainPathsNumbers) {
+  expect_half_paths_give_the_plain_paths_numbers(torch::kHalf, 2e-4, 3e-3);
 }
 
 TEST(ChunkedCrossEntropy, AFrozenHeadGetsNoGradientAndAllIgnoredIsZero) {

@@ -3,12 +3,15 @@
 #include "replica/core/error.h"
 #include "replica/core/gradient_home.h"
 #include "replica/models/fused_linear.h"
+#include "replica/models/linear.h"
 
 #include <gtest/gtest.h>
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 using replica::models::MLP;
@@ -155,33 +158,83 @@ TEST(FusedLinear, EqualsLinearAndWritesTheWeightGradientIntoItsHome) {
   EXPECT_TRUE(torch::equal(fused->forward(x3), plain->forward(x3)));
 }
 
-// Under CPU autocast (mixed_precision: bf16) FusedLinear computes what torch::nn::Linear does:
-// bf16 operands, bf16 output, fp32 gradients for the fp32 parameters and input.
-TEST(FusedLinear, UnderBf16AutocastEqualsLinear) {
-  torch::manual_seed(4);
+// Under CPU autocast (mixed_precision: bf16 or fp16) FusedLinear computes what torch::nn::Linear
+// does: half-type operands and output, fp32 gradients for the fp32 parameters and input. On
+// ATen's half-type kernels exactly; through the fp32 GEMM (models/linear.h: CPUs without the
+// type's arithmetic) within two roundings of the type. Both paths forced, on every machine.
+TEST(FusedLinear, UnderHalfAutocastEqualsLinearOnBothGemmPaths) {
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    const auto set = dtype == at::kHalf ? replica::models::set_cpu_fp16_through_fp32
+                                        : replica::models::set_cpu_bf16_through_fp32;
+    const double ulp = dtype == at::kHalf ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    for (const bool through_fp32 : {false, true}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (through_fp32 ? " through the fp32 GEMM" : " ATen's kernels"));
+      struct Restore {
+        decltype(set) set_;
+        bool was;
+        ~Restore() { set_(was); }
+      } restore{set, set(through_fp32)};
+      torch::manual_seed(4);
+      replica::models::FusedLinear fused(16, 8);
+      torch::manual_seed(4);
+      torch::nn::Linear plain(16, 8);
+      const torch::Tensor x0 = torch::randn({6, 16});
+      const torch::Tensor w = torch::randn({6, 8});
+      auto run = [&](auto& layer, torch::Tensor& x_grad) {
+        torch::Tensor x = x0.clone().requires_grad_(true);
+        at::autocast::set_autocast_enabled(at::kCPU, true);
+        at::autocast::set_autocast_dtype(at::kCPU, dtype);
+        torch::Tensor y = layer->forward(x);
+        at::autocast::set_autocast_enabled(at::kCPU, false);
+        at::autocast::clear_cache();
+        (y.to(torch::kFloat) * w).sum().backward();
+        x_grad = x.grad();
+        return y;
+      };
+      torch::Tensor gx_fused, gx_plain;
+      const torch::Tensor y_fused = run(fused, gx_fused), y_plain = run(plain, gx_plain);
+      EXPECT_EQ(y_fused.scalar_type(), dtype);
+      EXPECT_EQ(gx_fused.scalar_type(), torch::kFloat);
+      EXPECT_EQ(fused->weight.grad().scalar_type(), torch::kFloat);
+      const std::vector<std::pair<torch::Tensor, torch::Tensor>> pairs = {
+          {y_fused, y_plain}, {gx_fused, gx_plain}, {fused->weight.grad(), plain->weight.grad()},
+          {fused->bias.grad(), plain->bias.grad()}};
+      for (const auto& [got, want] : pairs) {
+        if (!through_fp32) {
+          EXPECT_TRUE(torch::equal(got, want));
+          continue;
+        }
+        const auto g = got.to(torch::kFloat64), e = want.to(torch::kFloat64);
+        const auto bound = e.abs() * (2 * ulp) + 1e-3 * e.abs().max().item<double>();
+        EXPECT_TRUE(((g - e).abs() <= bound).all().item<bool>()) << (g - e).abs().max().item<double>();
+      }
+    }
+  }
+}
+
+// fp16 parameters with an fp16 gradient home (no autocast) through the fp32 GEMM: the weight
+// gradient is written into the home and accumulated there, the sum of home and product rounded
+// once, within fp16 rounding of LibTorch's fp16 Linear.
+TEST(FusedLinear, Fp16ParametersThroughFp32WriteAndAccumulateTheirHome) {
+  struct Restore {
+    bool was = replica::models::set_cpu_fp16_through_fp32(true);
+    ~Restore() { replica::models::set_cpu_fp16_through_fp32(was); }
+  } restore;
+  torch::manual_seed(5);
   replica::models::FusedLinear fused(16, 8);
-  torch::manual_seed(4);
+  torch::manual_seed(5);
   torch::nn::Linear plain(16, 8);
-  const torch::Tensor x0 = torch::randn({6, 16});
-  const torch::Tensor w = torch::randn({6, 8});
-  auto run = [&](auto& layer, torch::Tensor& x_grad) {
-    torch::Tensor x = x0.clone().requires_grad_(true);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-    torch::Tensor y = layer->forward(x);
-    at::autocast::set_autocast_enabled(at::kCPU, false);
-    at::autocast::clear_cache();
-    (y.to(torch::kFloat) * w).sum().backward();
-    x_grad = x.grad();
-    return y;
-  };
-  torch::Tensor gx_fused, gx_plain;
-  const torch::Tensor y_fused = run(fused, gx_fused), y_plain = run(plain, gx_plain);
-  EXPECT_EQ(y_fused.scalar_type(), torch::kBFloat16);
-  EXPECT_TRUE(torch::equal(y_fused, y_plain));
-  EXPECT_EQ(gx_fused.scalar_type(), torch::kFloat);
-  EXPECT_TRUE(torch::equal(gx_fused, gx_plain));
-  EXPECT_EQ(fused->weight.grad().scalar_type(), torch::kFloat);
-  EXPECT_TRUE(torch::equal(fused->weight.grad(), plain->weight.grad()));
-  EXPECT_TRUE(torch::equal(fused->bias.grad(), plain->bias.grad()));
+  fused->to(torch::kHalf);
+  plain->to(torch::kHalf);
+  torch::Tensor home = torch::zeros({8, 16}, torch::kHalf);
+  replica::set_gradient_home(fused->weight, home);
+  const torch::Tensor x = torch::randn({6, 16}).to(torch::kHalf);
+  for (int i = 0; i < 2; ++i) {
+    fused->forward(x).to(torch::kFloat).sum().backward();
+    plain->forward(x).to(torch::kFloat).sum().backward();
+  }
+  EXPECT_EQ(fused->weight.grad().data_ptr(), home.data_ptr());
+  const auto g = home.to(torch::kFloat64), e = plain->weight.grad().to(torch::kFloat64);
+  EXPECT_LE((g - e).abs().max().item<double>(), 4 * std::ldexp(1.0, -11) * e.abs().max().item<double>());
+  replica::set_gradient_home(fused->weight, torch::Tensor());
 }
