@@ -159,7 +159,9 @@ class LLMTrainingParams(Params):
     """
 
     optimizer: Optional[str] = spec_field("llm-sft", "optimizer")
-    """fused AdamW or SGD with momentum (--optimizer)"""
+    """fused AdamW, SGD with momentum, AdamW with 8-bit block-wise state (bitsandbytes'; paged_: in CUDA
+    managed memory on a GPU), or Adafactor (transformers' defaults) (--optimizer)
+    """
 
     lr: Optional[float] = spec_field("llm-sft", "lr")
     """peak learning rate (--lr)"""
@@ -177,7 +179,9 @@ class LLMTrainingParams(Params):
     """warm-up as a fraction of the steps (--warmup-ratio)"""
 
     scheduler: Optional[str] = spec_field("llm-sft", "scheduler")
-    """learning-rate decay after warm-up (--scheduler)"""
+    """learning-rate schedule, transformers' get_scheduler formulas (constant: no warm-up;
+    constant_with_warmup: warm-up, then constant; polynomial: lr_end 1e-7, power 1) (--scheduler)
+    """
 
     max_grad_norm: Optional[float] = spec_field("llm-sft", "max_grad_norm")
     """gradient clipping by global norm (<= 0: off) (--max-grad-norm)"""
@@ -502,7 +506,9 @@ class ImageClassificationParams(Params):
     """
 
     optimizer: Optional[str] = spec_field("image-classification", "optimizer")
-    """fused AdamW or SGD with momentum (--optimizer)"""
+    """fused AdamW, SGD with momentum, AdamW with 8-bit block-wise state (bitsandbytes'; paged_: in CUDA
+    managed memory on a GPU), or Adafactor (transformers' defaults) (--optimizer)
+    """
 
     lr: Optional[float] = spec_field("image-classification", "lr")
     """peak learning rate (--lr)"""
@@ -520,7 +526,9 @@ class ImageClassificationParams(Params):
     """warm-up as a fraction of the steps (--warmup-ratio)"""
 
     scheduler: Optional[str] = spec_field("image-classification", "scheduler")
-    """learning-rate decay after warm-up (--scheduler)"""
+    """learning-rate schedule, transformers' get_scheduler formulas (constant: no warm-up;
+    constant_with_warmup: warm-up, then constant; polynomial: lr_end 1e-7, power 1) (--scheduler)
+    """
 
     max_grad_norm: Optional[float] = spec_field("image-classification", "max_grad_norm")
     """gradient clipping by global norm (<= 0: off) (--max-grad-norm)"""
@@ -744,7 +752,9 @@ class TwoTowerParams(Params):
     """
 
     optimizer: Optional[str] = spec_field("two-tower", "optimizer")
-    """fused AdamW or SGD with momentum (--optimizer)"""
+    """fused AdamW, SGD with momentum, AdamW with 8-bit block-wise state (bitsandbytes'; paged_: in CUDA
+    managed memory on a GPU), or Adafactor (transformers' defaults) (--optimizer)
+    """
 
     lr: Optional[float] = spec_field("two-tower", "lr")
     """peak learning rate (--lr)"""
@@ -762,7 +772,9 @@ class TwoTowerParams(Params):
     """warm-up as a fraction of the steps (--warmup-ratio)"""
 
     scheduler: Optional[str] = spec_field("two-tower", "scheduler")
-    """learning-rate decay after warm-up (--scheduler)"""
+    """learning-rate schedule, transformers' get_scheduler formulas (constant: no warm-up;
+    constant_with_warmup: warm-up, then constant; polynomial: lr_end 1e-7, power 1) (--scheduler)
+    """
 
     max_grad_norm: Optional[float] = spec_field("two-tower", "max_grad_norm")
     """gradient clipping by global norm (<= 0: off) (--max-grad-norm)"""
