@@ -139,9 +139,6 @@ LlmSftSettings llm_sft_settings(const RunConfig& config) {
 
 // params.quantization and params.quantize_embeddings as the loader takes them.
 models::QuantOptions quant_options_of(const RunConfig& config) {
-  // Without peft there is no quantization: AutoTrain quantizes only under peft, and a config
-  // that asks for it without (its own defaults do: int4, peft false) gets a note (llm_sft_task).
-  if (!llm_params(config).peft) return {};
   auto options = models::quant_options(llm_params(config).quantization, "params.quantization");
   options.embeddings = llm_params(config).quantize_embeddings;
   return options;
@@ -154,7 +151,9 @@ void check_llm_sft_config(const RunConfig& config) {
          "format); quantization is {}",
          llm_params(config).quantization);
   }
-  if (quant_options_of(config).enabled()) {
+  // Quantization is for a frozen base under adapters (QLoRA); without peft it is ignored, as AutoTrain
+  // ignores it (its own defaults are int4 with peft false), with a note (llm_sft_task).
+  if (llm_params(config).peft && quant_options_of(config).enabled()) {
     // QLoRA: the quantized base is frozen, only adapters over it train (models/quant.h).
     if (zero_stage_of(config.params) == 3) {
       // ZeRO-3 shards and gathers parameters; the quantized weights are codes beside the
@@ -213,7 +212,7 @@ models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const Wo
   const bool main = context.is_main();
   const auto dtype = base_weight_dtype(config);
   // quantization: every decoder linear quantized as it is read (QLoRA's load_in_4bit/8bit).
-  const auto quant = quant_options_of(config);
+  const auto quant = llm_params(config).peft ? quant_options_of(config) : models::QuantOptions{};
   model = models::load_hf_model(config.base_model, dtype, quant, extra);
   if (main) spdlog::info("{}: model {}", tag, models::describe_model(model->config()));
   if (quant.enabled() && main) {
@@ -465,6 +464,18 @@ std::vector<std::string> llm_default_notes(const RunConfig& c, const KeyLocation
   const LlmParams& l = llm_params(c);
   std::vector<std::string> notes;
   auto given = [&](const char* key) { return loc.given(std::string("params.") + key); };
+  // data.column_mapping keys the trainer does not read (the task reads them for its others).
+  static const std::vector<std::string> kPreferenceColumns = {"prompt_text_column", "rejected_text_column"};
+  static const std::vector<std::string> kSftColumns = {"messages_column", "prompt_column", "completion_column"};
+  const bool sft = l.trainer == "sft";
+  for (const auto& [column, value] : c.data.column_mapping) {
+    const auto& others = sft ? kPreferenceColumns : kSftColumns;
+    if (std::find(others.begin(), others.end(), column) == others.end()) continue;
+    const std::string key = "data.column_mapping." + column;
+    notes.push_back(fmt::format("{}{} has no effect for trainer {} (only {} read{} it; AutoTrain ignores it too)",
+                                loc.where(key), loc.name(key), l.trainer, sft ? "dpo, orpo and reward" : "sft",
+                                sft ? "" : "s"));
+  }
   if (!given("block_size") && l.block_size == -1 && l.model_max_length > 1024) {
     notes.push_back(fmt::format(
         "block_size -1: rows of model_max_length = {} tokens; AutoTrain's -1 is min(1024, model_max_length) "
@@ -590,7 +601,13 @@ TaskSpec llm_sft_task() {
           .group("LLM"),
       key("use_flash_attention_2", &L::use_flash_attention_2,
           "accepted for AutoTrain configs (attention is always PyTorch's fused SDPA)")
-          .group("LLM"),
+          .group("LLM")
+          .unused_when([](const RunConfig& c) {
+            return llm_params(c).use_flash_attention_2
+                       ? std::string("(attention is always PyTorch's fused SDPA, which takes its flash kernel on a "
+                                     "GPU where it can)")
+                       : std::string();
+          }),
       key("unsloth", &L::unsloth, "Unsloth's kernels (CUDA-only: refused)").group("LLM"),
       key("router_aux_loss_coef", &L::router_aux_loss_coef,
           "mixture-of-experts models (gpt_oss): add this times the router's load-balancing loss to the training "

@@ -286,10 +286,11 @@ def check(args):
                     problems.append("a ZeRO-3 checkpoint's model.safetensors should be empty (the shards hold it)")
                 what = "ZeRO-3 checkpoint placeholder, " + what
             elif name == "model.safetensors":
-                # final/ and merged/ (merge_adapter): a transformers model directory in the base
+                # final/ and merged/ (merge_adapter; its files also in the project itself, where
+                # AutoTrain writes a merged model): a transformers model directory in the base
                 # model's dtype; checkpoints: the float32 master weights. The config.json beside
                 # the file must say so.
-                final = os.path.basename(parent) in ("final", "merged")
+                final = os.path.basename(parent) in ("final", "merged") or os.path.normpath(parent) == os.path.normpath(run["dir"])
                 dtype = config_dtype(run["base_model"]) if final else torch.float32
                 if config_dtype(parent) != dtype:
                     problems.append(f"config.json beside it says {config_dtype(parent)}, the file should be {dtype}")

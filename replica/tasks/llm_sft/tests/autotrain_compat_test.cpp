@@ -227,6 +227,25 @@ TEST(AutoTrainResume, SaveStepsCheckpointsResumeAndAnOlderCheckpointIsRefusedWit
   EXPECT_NE(fresh.all().find("resume_from_checkpoint is false"), std::string::npos) << fresh;
 }
 
+TEST(AutoTrainCommandLine, NotesNameTheFlagsThatDoNothingAndTheDefaultsThatDiffer) {
+  ASSERT_TRUE(fs::exists(REPLICA_BIN)) << REPLICA_BIN << " is not built";
+  const fs::path project = demo().root / "runs" / "command-line";
+  const Result r = replica::testing::run_program(
+      REPLICA_BIN,
+      {"llm", "--train", "--model", demo().demo.model_dir, "--data-path", demo().chats.string(), "--project-name",
+       project.string(), "--max-steps", "1", "--nproc-per-node", "1", "--threads-per-worker", "1", "--max-prompt-length",
+       "64", "--push-to-hub", "false", "--use-flash-attention-2", "--rejected-text-column", "rejected"},
+      {}, std::chrono::seconds(300));
+  ASSERT_EQ(r.exit_code, 0) << r;
+  for (const char* note : {"note: --max-prompt-length: params.max_prompt_length has no effect for trainer sft",
+                           "params.use_flash_attention_2 has no effect (attention is always PyTorch's fused SDPA",
+                           "data.column_mapping.rejected_text_column has no effect for trainer sft",
+                           "note: block_size -1: rows of model_max_length = 2048 tokens; AutoTrain's -1 is min(1024"}) {
+    EXPECT_NE(r.all().find(note), std::string::npos) << note << "\n" << r;
+  }
+  EXPECT_EQ(r.all().find("params.push_to_hub has no effect"), std::string::npos) << "false does what it says";
+}
+
 // ---- How the keys read (no worker).
 
 class AutoTrainKeys : public ::testing::Test {

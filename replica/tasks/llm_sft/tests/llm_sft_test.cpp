@@ -906,10 +906,11 @@ TEST_F(LlmEndToEnd, UnsupportedSettingsAreClearErrors) {
     args.insert(args.end(), extra.begin(), extra.end());
     return replica(args, "", std::chrono::seconds(60));
   };
-  // A quantized base trains adapters only (quantized_sft_test.cpp has the runs).
-  const Result q = train({"--quantization", "int4"});
+  // Unsloth's kernels are a CUDA-only Python library. (Quantization without peft is not refused:
+  // AutoTrain ignores it, and so does replica with a note, AutoTrainKeys.KeysWithoutEffectAreNotedNotRefused.)
+  const Result q = train({"--unsloth"});
   EXPECT_EQ(q.exit_code, 1) << q;
-  EXPECT_NE(q.err.find("quantization int4 needs peft: true"), std::string::npos) << q;
+  EXPECT_NE(q.err.find("unsloth is not available in replica"), std::string::npos) << q;
   const Result typo = train({"--lora_rr", "8"});
   EXPECT_EQ(typo.exit_code, 1) << typo;
   EXPECT_NE(typo.err.find("unknown flag --lora_rr (did you mean --lora-r?)"), std::string::npos) << typo;
