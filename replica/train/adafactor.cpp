@@ -1,11 +1,11 @@
 #include "replica/train/adafactor.h"
 
 #include "replica/core/error.h"
+#include "replica/train/saved_state.h"
 
 #include <torch/torch.h>
 
 #include <cmath>
-#include <map>
 
 namespace replica::train {
 
@@ -114,17 +114,9 @@ io::NamedTensors adafactor_state(Adafactor& optimizer, const std::vector<torch::
 
 size_t load_adafactor_state(Adafactor& optimizer, const std::vector<torch::Tensor>& params,
                             const std::vector<std::string>& names, const io::NamedTensors& state) {
-  std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
-  size_t used = 0;
-  auto take = [&](const std::string& name, const torch::Tensor& like) -> torch::Tensor {
-    auto it = by_name.find(name);
-    if (it == by_name.end()) return {};
-    if (like.defined() && it->second.sizes() != like.sizes()) {
-      fail("optimizer state '{}' has shape {} but adafactor's state for this parameter has {}", name,
-           c10::str(it->second.sizes()), c10::str(like.sizes()));
-    }
-    ++used;
-    return it->second;
+  SavedOptimizerState saved(state);
+  auto take = [&](const std::string& name, const torch::Tensor& like) {
+    return saved.take(name, like, SavedOptimizerState::Match::Shape, "adafactor's state for this parameter");
   };
   auto& slots = optimizer.state();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -143,7 +135,7 @@ size_t load_adafactor_state(Adafactor& optimizer, const std::vector<torch::Tenso
     }
     slots[params[i].unsafeGetTensorImpl()] = std::make_unique<AdafactorParamState>(std::move(s));
   }
-  return used;
+  return saved.used();
 }
 
 int64_t adafactor_state_bytes(Adafactor& optimizer) {

@@ -4,11 +4,13 @@
 #include "replica/core/file_tensor.h"
 #include "replica/train/adafactor.h"
 #include "replica/train/optim_8bit.h"
+#include "replica/train/saved_state.h"
 
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <map>
+#include <optional>
 
 namespace replica::train {
 
@@ -374,30 +376,25 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind
   if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
     return load_optimizer_state(copying->inner(), kind, copying->copies(), names, state);
   }
-  size_t own = 0;
+  // The optimizers with loaders of their own: what they took.
+  std::optional<size_t> own;
   if (auto* eight = dynamic_cast<AdamW8bit*>(&optimizer)) own = load_adamw_8bit_state(*eight, params, names, state);
-  else if (auto* factor = dynamic_cast<Adafactor*>(&optimizer)) own = load_adafactor_state(*factor, params, names, state);
-  if (dynamic_cast<AdamW8bit*>(&optimizer) || dynamic_cast<Adafactor*>(&optimizer)) {
-    if (own != state.size()) {
+  if (auto* factor = dynamic_cast<Adafactor*>(&optimizer)) own = load_adafactor_state(*factor, params, names, state);
+  if (own) {
+    if (*own != state.size()) {
       fail("optimizer state has {} tensors that match no parameter of this model or this optimizer (was it saved "
-           "with another optimizer or model?)", state.size() - own);
+           "with another optimizer or model?)", state.size() - *own);
     }
     return;
   }
   const auto* home = dynamic_cast<const StateHome*>(&optimizer);
-  std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
-  size_t used = 0;
+  SavedOptimizerState saved(state);
   auto take = [&](const std::string& name, const torch::Tensor& like) -> torch::Tensor {
-    auto it = by_name.find(name);
-    if (it == by_name.end()) return {};
-    if (like.defined() && it->second.sizes() != like.sizes()) {
-      fail("optimizer state '{}' has shape {} but the parameter has {}", name,
-           c10::str(it->second.sizes()), c10::str(like.sizes()));
-    }
-    ++used;
+    const torch::Tensor t = saved.take(name, like);
+    if (!t.defined()) return t;
     // State tensors land where the optimizer allocates them (nvme: in files).
-    if (like.defined() && home) return home->state_zeros(like).copy_(it->second);
-    return it->second.to(like.defined() ? like.options() : it->second.options()).clone();
+    if (like.defined() && home) return home->state_zeros(like).copy_(t);
+    return t.to(like.defined() ? like.options() : t.options()).clone();
   };
   auto& slots = optimizer.state();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -424,9 +421,9 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind
       slots[key_of(p)] = std::move(s);
     }
   }
-  if (used != state.size()) {
+  if (saved.used() != saved.size()) {
     fail("optimizer state has {} tensors that match no parameter of this model (was it saved "
-         "with another optimizer or model?)", state.size() - used);
+         "with another optimizer or model?)", saved.size() - saved.used());
   }
 }
 

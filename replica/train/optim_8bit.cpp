@@ -3,6 +3,7 @@
 #include "replica/core/cuda.h"
 #include "replica/core/error.h"
 #include "replica/train/optim.h"
+#include "replica/train/saved_state.h"
 
 #include <torch/torch.h>
 
@@ -264,17 +265,10 @@ io::NamedTensors adamw_8bit_state(AdamW8bit& optimizer, const std::vector<torch:
 
 size_t load_adamw_8bit_state(AdamW8bit& optimizer, const std::vector<torch::Tensor>& params,
                              const std::vector<std::string>& names, const io::NamedTensors& state) {
-  std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
-  size_t used = 0;
+  SavedOptimizerState saved(state);
   auto take = [&](const std::string& name, const torch::Tensor& like) -> torch::Tensor {
-    auto it = by_name.find(name);
-    if (it == by_name.end()) return {};
-    if (like.defined() && it->second.numel() != like.numel()) {
-      fail("optimizer state '{}' has shape {} but the parameter has {}", name, c10::str(it->second.sizes()),
-           c10::str(like.sizes()));
-    }
-    ++used;
-    return like.defined() ? it->second.reshape({-1}).to(like.device()) : it->second;
+    const torch::Tensor t = saved.take(name, like, SavedOptimizerState::Match::Elements);
+    return t.defined() && like.defined() ? t.reshape({-1}).to(like.device()) : t;
   };
   auto& slots = optimizer.state();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -319,7 +313,7 @@ size_t load_adamw_8bit_state(AdamW8bit& optimizer, const std::vector<torch::Tens
     }
     slots[p.unsafeGetTensorImpl()] = std::make_unique<AdamW8bitParamState>(std::move(s));
   }
-  return used;
+  return saved.used();
 }
 
 int64_t adamw_8bit_state_bytes(AdamW8bit& optimizer) {

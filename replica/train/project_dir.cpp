@@ -76,14 +76,14 @@ bool is_listable_name(const std::string& name) {
          name.find('\0') == std::string::npos && name.size() <= 255 && !is_fixed_file_name(name);
 }
 
-// What `entry` is, by its name and its own type (a symbolic link is never followed).
-Kind classify(const fs::path& entry) {
+// What `entry` is, by its name and its own type (a symbolic link is never followed); `listed`:
+// root_outputs of its directory.
+Kind classify(const fs::path& entry, const std::vector<std::string>& listed) {
   const std::string name = entry.filename().string();
   const bool named_dir = std::find(kDirectories.begin(), kDirectories.end(), name) != kDirectories.end() ||
                          checkpoint_step(name) >= 0 || checkpoint_staging(name) || is_zero_staging(name);
   bool named_file = is_fixed_file_name(name) || atomic_write_pid(name).has_value();
   if (!named_dir && !named_file && is_listable_name(name)) {
-    const auto listed = root_outputs(entry.parent_path());
     named_file = std::find(listed.begin(), listed.end(), name) != listed.end();
   }
   if (!named_dir && !named_file) return Kind::Other;
@@ -100,8 +100,9 @@ std::vector<fs::path> entries_of_kind(const fs::path& project, Kind kind) {
   std::vector<fs::path> out;
   std::error_code ec;
   if (!fs::is_directory(project, ec)) return out;
+  const std::vector<std::string> listed = root_outputs(project);  // read once for the whole listing
   for (const auto& entry : fs::directory_iterator(project, ec)) {
-    if (classify(entry.path()) == kind) out.push_back(entry.path());
+    if (classify(entry.path(), listed) == kind) out.push_back(entry.path());
   }
   if (ec) fail("cannot list the project directory '{}': {}", project.string(), ec.message());
   std::sort(out.begin(), out.end());
@@ -137,7 +138,9 @@ bool is_replica_checkpoint(const fs::path& dir) {
   return checkpoint_step(dir.filename().string()) >= 0 && holds_completion_marker(dir);
 }
 
-bool is_run_output(const fs::path& entry) { return classify(entry) == Kind::Output; }
+bool is_run_output(const fs::path& entry) {
+  return classify(entry, root_outputs(entry.parent_path())) == Kind::Output;
+}
 
 std::vector<std::string> root_outputs(const fs::path& project) {
   const fs::path list = project / kRootOutputsList;
