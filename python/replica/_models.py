@@ -328,6 +328,12 @@ class LLMTrainingParams(Params):
     use_flash_attention_2: Optional[bool] = spec_field("llm-sft", "use_flash_attention_2")
     """accepted for AutoTrain configs (attention is always PyTorch's fused SDPA) (--use-flash-attention-2)"""
 
+    torch_dtype: Optional[str] = spec_field("llm-sft", "torch_dtype")
+    """the dtype the model's weights are held in: float32, or bfloat16 (half the weight memory, bf16
+    compute throughout; the optimizer steps fp32 master weights, LoRA adapters stay fp32); auto:
+    config.json's (bfloat16, else float32) (--torch-dtype)
+    """
+
     unsloth: Optional[bool] = spec_field("llm-sft", "unsloth")
     """Unsloth's kernels (CUDA-only: refused) (--unsloth)"""
 

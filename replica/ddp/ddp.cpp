@@ -425,7 +425,7 @@ std::vector<std::string> DistributedDataParallel::shard_names() const {
   return out;
 }
 
-double DistributedDataParallel::clip_grad_norm(double max_norm) {
+torch::Tensor DistributedDataParallel::clip_grad_norm(double max_norm) {
   std::vector<torch::Tensor> grads;
   for (const auto& t : shard_parameters()) grads.push_back(t.grad());
   return distributed::clip_grad_norm(grads, max_norm, sharded_ ? pg_.get() : nullptr);

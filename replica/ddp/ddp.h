@@ -146,9 +146,9 @@ class DistributedDataParallel {
   // is a barrier instead of an all-gather.
   bool parameters_shared() const { return shared_params_; }
   // Global-norm clipping over shard_parameters()' gradients (torch::nn::utils::clip_grad_norm_'s
-  // formula; max_norm infinity only measures); returns the norm before clipping. Collective
-  // when sharded.
-  double clip_grad_norm(double max_norm);
+  // formula; max_norm infinity only measures); returns the norm before clipping, a 0-dim
+  // float64 tensor not yet read (distributed/grad_norm.h). Collective when sharded.
+  torch::Tensor clip_grad_norm(double max_norm);
   // After optimizer.step() when sharded: every worker's updated shards are all-gathered into
   // every parameter, and the model's gradients reset to undefined (the step consumed them).
   // A no-op when not sharded. Collective.

@@ -31,13 +31,24 @@ double peak_rss_mib() {
 
 bool is_zero3_checkpoint(const std::string& dir) { return fs::exists(fs::path(dir) / "zero" / "metadata.json"); }
 
-// The L2 norm over every gradient (DDP's gradients are already the global average).
-double global_grad_norm(const std::vector<torch::Tensor>& params) {
-  std::vector<torch::Tensor> norms;
+// The L2 norm over every gradient (DDP's gradients are already the global average), clipped
+// to max_norm by torch::nn::utils::clip_grad_norm_'s formula (the referees' clipping), without
+// its read of the norm at the end; max_norm infinity measures in float64 only.
+torch::Tensor whole_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads, norms;
   for (const auto& param : params) {
-    if (param.grad().defined()) norms.push_back(param.grad().detach().norm(2.0).to(torch::kDouble));
+    if (param.grad().defined()) grads.push_back(param.grad());
   }
-  return norms.empty() ? 0.0 : torch::stack(norms).norm(2.0).item<double>();
+  if (grads.empty()) return torch::zeros({}, torch::kDouble);
+  const bool measure_only = std::isinf(max_norm);
+  for (const auto& g : grads) norms.push_back(measure_only ? g.norm(2.0).to(torch::kDouble) : g.norm(2.0));
+  const torch::Tensor total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(2.0);
+  if (!measure_only) {
+    const torch::Tensor coef = torch::clamp_max(max_norm / (total + 1e-6), 1.0);
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return total.to(torch::kDouble);
 }
 
 }  // namespace
@@ -93,10 +104,9 @@ class DdpEngine final : public ParallelEngine {
   }
   double comm_wait_seconds() const override { return ddp_->comm_wait_seconds(); }
 
-  double clip_grad_norm(double max_norm) override {
+  torch::Tensor clip_grad_norm(double max_norm) override {
     if (ddp_->sharded()) return ddp_->clip_grad_norm(max_norm);
-    if (std::isinf(max_norm)) return global_grad_norm(params_);  // logged when clipping is off
-    return torch::nn::utils::clip_grad_norm_(params_, max_norm);
+    return whole_grad_norm(params_, max_norm);
   }
 
   void after_step() override {
@@ -173,7 +183,7 @@ class Zero3Engine final : public ParallelEngine {
 
   // ZeRO-3 reduces each layer's gradients as backward leaves it; nothing to defer.
   void backward(const torch::Tensor& loss, bool) override { loss.backward(); }
-  double clip_grad_norm(double max_norm) override { return zero_->clip_grad_norm(max_norm); }
+  torch::Tensor clip_grad_norm(double max_norm) override { return zero_->clip_grad_norm(max_norm); }
   void after_step() override { zero_->after_step(); }
   // Workers may run different numbers of forwards in an evaluation, so nothing may be
   // gathered per layer: the whole model is gathered for it.

@@ -53,8 +53,10 @@ class ParallelEngine {
   // Seconds backward passes spent blocked on communication since the engine was made.
   virtual double comm_wait_seconds() const { return 0; }
   // The global gradient norm over every worker's gradients, clipped to max_norm (infinity:
-  // the norm only). Collective.
-  virtual double clip_grad_norm(double max_norm) = 0;
+  // the norm only). Collective. The norm is a 0-dim float64 tensor on the gradients' device, not
+  // read: on a GPU the step goes on without waiting for it (Note [the gradient norm stays on the
+  // GPU] in distributed/grad_norm.cpp).
+  virtual torch::Tensor clip_grad_norm(double max_norm) = 0;
   // After optimizer.step(): shards back into the model. Collective where sharded.
   virtual void after_step() {}
   // Around an evaluation, whose workers may run different numbers of forwards.

@@ -61,10 +61,10 @@ NonfiniteLosses agree_on_losses(const StepLosses& mine, distributed::ProcessGrou
   return out;
 }
 
-std::string nonfinite_stop_message(int64_t step, const std::string& what) {
-  return fmt::format("step {}: {}; the run stops before this step's update and nothing non-finite was saved (lower "
-                     "lr, check the data, or set nonfinite_loss: skip (--nonfinite-loss skip) to skip such steps)",
-                     step, what);
+std::string nonfinite_stop_message(int64_t step, const std::string& what, bool read_late) {
+  return fmt::format("step {}: {}; the run stops {} and nothing non-finite was saved (lower lr, check the data, or "
+                     "set nonfinite_loss: skip (--nonfinite-loss skip) to skip such steps)",
+                     step, what, read_late ? "(this step's update is not saved)" : "before this step's update");
 }
 
 void require_finite_weights(const std::vector<torch::Tensor>& params, const std::vector<std::string>& names,

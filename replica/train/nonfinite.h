@@ -45,8 +45,9 @@ struct NonfiniteLosses {
 NonfiniteLosses agree_on_losses(const StepLosses& mine, distributed::ProcessGroup& pg);
 
 // The text of a stop: "step 7: the training loss is not finite (rank 1: nan in micro-batch 2
-// of 4); ...what was kept and what to do".
-std::string nonfinite_stop_message(int64_t step, const std::string& what);
+// of 4); ...what was kept and what to do". `read_late`: the step's numbers were read after its
+// update was applied (Note [the step's reads, a step late] in trainer.cpp), which is not saved.
+std::string nonfinite_stop_message(int64_t step, const std::string& what, bool read_late = false);
 
 // Before anything is saved (a checkpoint, final/): a replica::Error on every rank when any
 // rank's `params` (what the optimizer steps: the trainable weights or this rank's shards of

@@ -2,6 +2,7 @@
 
 #include "replica/core/error.h"
 #include "replica/core/file_tensor.h"
+#include "replica/core/files.h"
 #include "replica/train/adafactor.h"
 #include "replica/train/optim_8bit.h"
 #include "replica/train/saved_state.h"
@@ -245,15 +246,18 @@ torch::Tensor StateHome::state_zeros(at::IntArrayRef sizes, const at::TensorOpti
 // the parameters (or in pinned host memory when offloaded), its state fp32 too: each step
 // casts the gradients up, steps the copies and rounds them back into the parameters (the same
 // CopyStepOptimizer as offload). fp32 parameters are stepped in place as before. The exported
-// state (optimizer_state) is the fp32 masters' exp_avg / exp_avg_sq; the masters themselves are
-// not exported, so an optimizer made over loaded bf16 parameters starts its masters from their
-// bf16 values. The trainer's parameters are fp32 (bf16 runs compute under autocast, and PEFT's
-// frozen bf16 base has no optimizer state), so none of its runs take this path; the benchmark's
-// --dtype bf16-weights and the C++ API's bf16 models do.
+// state (optimizer_state) is the fp32 masters' exp_avg / exp_avg_sq and the masters themselves,
+// as "<name>.master" (fp32): loading state puts them back (state without them starts them from
+// the loaded weights), so a resumed run continues bit for bit. The trainer's full fine-tuning
+// with torch_dtype: bfloat16 takes this path (llm_sft.cpp, Note [bf16 weights]), as do the
+// benchmark's --dtype bf16-weights and the C++ API's bf16 models; ZeRO-3 steps its own fp32
+// master shards instead (its parameters for the optimizer are those shards).
 namespace {
 bool is_low_precision(const torch::Tensor& p) {
   return p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kHalf;
 }
+// "<parameter name>.master": a bf16/fp16 parameter's fp32 master in the optimizer state.
+constexpr const char* kMasterField = ".master";
 }  // namespace
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec,
@@ -346,7 +350,13 @@ io::NamedTensors optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKi
                                  const std::vector<torch::Tensor>& params,
                                  const std::vector<std::string>& names) {
   if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
-    return optimizer_state(copying->inner(), kind, copying->copies(), names);
+    io::NamedTensors out = optimizer_state(copying->inner(), kind, copying->copies(), names);
+    // The fp32 masters of bf16/fp16 parameters (Note [master weights]): a resumed run continues
+    // from them, not from their rounding. Copies of fp32 parameters equal them: not saved.
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (is_low_precision(params[i])) out.emplace_back(names[i] + kMasterField, copying->copies()[i]);
+    }
+    return out;
   }
   if (auto* eight = dynamic_cast<AdamW8bit*>(&optimizer)) return adamw_8bit_state(*eight, params, names);
   if (auto* factor = dynamic_cast<Adafactor*>(&optimizer)) return adafactor_state(*factor, params, names);
@@ -374,7 +384,33 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, OptimizerKind kind
                           const std::vector<torch::Tensor>& params,
                           const std::vector<std::string>& names, const io::NamedTensors& state) {
   if (auto* copying = dynamic_cast<CopyStepOptimizer*>(&optimizer)) {
-    return load_optimizer_state(copying->inner(), kind, copying->copies(), names, state);
+    // The copies were made as the optimizer was, before the checkpoint's weights were loaded:
+    // from those weights now, and the fp32 masters over them where the checkpoint has them.
+    torch::NoGradGuard no_grad;
+    io::NamedTensors inner_state;
+    std::map<std::string, torch::Tensor> masters;
+    for (const auto& [name, t] : state) {
+      if (ends_with(name, kMasterField)) masters.emplace(name, t);
+      else inner_state.emplace_back(name, t);
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      const torch::Tensor& copy = copying->copies()[i];
+      copy.copy_(params[i]);
+      auto it = masters.find(names[i] + kMasterField);
+      if (it == masters.end()) continue;
+      if (it->second.sizes() != copy.sizes()) {
+        fail("optimizer state '{}' has shape {} but the parameter has {}", it->first, c10::str(it->second.sizes()),
+             c10::str(copy.sizes()));
+      }
+      copy.copy_(it->second);
+      masters.erase(it);
+    }
+    if (!masters.empty()) {
+      fail("optimizer state '{}' holds master weights of no bf16/fp16 parameter of this run (was it saved with "
+           "another torch_dtype or model?)",
+           masters.begin()->first);
+    }
+    return load_optimizer_state(copying->inner(), kind, copying->copies(), names, inner_state);
   }
   // The optimizers with loaders of their own: what they took.
   std::optional<size_t> own;

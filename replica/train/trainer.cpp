@@ -30,6 +30,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <optional>
 
 namespace fs = std::filesystem;
@@ -131,7 +132,8 @@ class Loop {
                                                      p_.gradient_accumulation)),
         warmup_(warmup_steps(p_.warmup_steps, p_.warmup_ratio, total_steps_)),
         log_(config, pg, start, total_steps_),
-        scaler_(p_.mixed_precision == Precision::Fp16) {
+        scaler_(p_.mixed_precision == Precision::Fp16),
+        read_late_(reads_late(engine.device())) {
     if (micro_per_epoch_ == 0) fail("the training split '{}' is empty", config.data.train_split);
     scaler_.restore(state_.loss_scale, state_.loss_scale_good_steps);  // a resumed fp16 run
   }
@@ -145,9 +147,9 @@ class Loop {
     int64_t last_checkpoint = state_.global_step;
     while (state_.global_step < total_steps_) {
       sampler_.set_epoch(state_.epoch);
-      const std::vector<int64_t> order = sampler_.indices();
+      const std::vector<std::vector<int64_t>> orders = orders_of_every_rank();
       while (state_.micro_step < micro_per_epoch_ && state_.global_step < total_steps_) {
-        step(order);
+        step(orders);
         const int64_t every = eval_every_steps();
         if (every > 0 && state_.global_step % every == 0) evaluate(epoch_progress());
         const bool epoch_end = state_.micro_step >= micro_per_epoch_;
@@ -162,12 +164,14 @@ class Loop {
                               ? p_.checkpoint_every > 0 && state_.global_step % p_.checkpoint_every == 0
                               : p_.save_strategy == SaveStrategy::Epoch && epoch_end;
         if (save) {
+          settle_step();  // nothing unread is saved
           save_run_checkpoint(config_, state_, engine_, workload_, optimizer_, pg_);
           last_checkpoint = state_.global_step;
         }
         if (state_.micro_step == 0) break;  // next epoch: new order
       }
     }
+    settle_step();
     const bool saves = p_.save_strategy == SaveStrategy::Epoch ||
                        (p_.save_strategy == SaveStrategy::Steps && p_.checkpoint_every > 0);
     if (saves && last_checkpoint != state_.global_step) {
@@ -192,7 +196,8 @@ class Loop {
   }
 
   // One optimizer step: gradient_accumulation micro-batches of this worker's slice of `order`.
-  void step(const std::vector<int64_t>& order) {
+  void step(const std::vector<std::vector<int64_t>>& orders) {
+    const std::vector<int64_t>& order = orders[static_cast<size_t>(pg_.rank())];
     const int64_t batch = p_.batch_size;
     const int64_t group = std::min<int64_t>(p_.gradient_accumulation, micro_per_epoch_ - state_.micro_step);
     set_learning_rate(optimizer_, learning_rate(p_.scheduler, p_.lr, state_.global_step, total_steps_, warmup_));
@@ -202,16 +207,23 @@ class Loop {
     for (torch::Tensor param : engine_.parameters()) param.mutable_grad() = torch::Tensor();
     const auto data_start = Clock::now();
     std::optional<obs::Span> data_span(std::in_place, "data", "data");
-    std::vector<std::vector<int64_t>> micro_batches;
-    for (int64_t k = 0; k < group; ++k) {
-      const int64_t begin = (state_.micro_step + k) * batch;
-      const int64_t end = std::min<int64_t>(begin + batch, static_cast<int64_t>(order.size()));
-      micro_batches.emplace_back(order.begin() + begin, order.begin() + end);
-    }
-    const double item_scale = loss_item_scale(micro_batches);
+    // This step's micro-batches of every rank (this rank's are the ones it runs).
+    auto micro_batches_of = [&](const std::vector<int64_t>& o) {
+      std::vector<std::vector<int64_t>> out;
+      for (int64_t k = 0; k < group; ++k) {
+        const int64_t begin = std::min<int64_t>((state_.micro_step + k) * batch, static_cast<int64_t>(o.size()));
+        const int64_t end = std::min<int64_t>(begin + batch, static_cast<int64_t>(o.size()));
+        out.emplace_back(o.begin() + begin, o.begin() + end);
+      }
+      return out;
+    };
+    const std::vector<std::vector<int64_t>> micro_batches = micro_batches_of(order);
+    const double item_scale = loss_item_scale(orders, micro_batches_of);
     data_span.reset();
     log_.split().data += since(data_start);
-    StepLosses losses;
+    // Each micro-batch's loss stays on the device (Note [the step's reads, a step late]).
+    std::vector<torch::Tensor> micro_losses;
+    std::vector<MicroCounts> micro_counts;
     for (int64_t k = 0; k < group; ++k) {
       const std::vector<int64_t>& indices = micro_batches[k];
       // The micro-batch after this one (within the epoch), for the workload to prepare meanwhile.
@@ -220,6 +232,9 @@ class Loop {
             order.begin() + next, order.begin() + std::min<int64_t>(next + batch, static_cast<int64_t>(order.size()))));
       }
       const torch::Tensor loss = forward(indices, item_scale, group);
+      // The previous step's numbers, read now that this step's first forward is queued behind
+      // them: the device has finished (or nearly) what they wait for, and keeps busy meanwhile.
+      if (k == 0) settle_step();
       const auto backward_start = Clock::now();
       const double comm_wait_before = engine_.comm_wait_seconds();
       {
@@ -229,13 +244,17 @@ class Loop {
       }
       log_.split().backward += since(backward_start);
       log_.split().comm_wait += engine_.comm_wait_seconds() - comm_wait_before;
-      const double value = loss.item<double>();
-      losses.add(value);
-      log_.add_micro_step(value, static_cast<int64_t>(indices.size()), workload_.tokens_in(indices),
-                          workload_.train_metrics());
+      micro_losses.push_back(loss.detach());
+      micro_counts.push_back({static_cast<int64_t>(indices.size()), workload_.tokens_in(indices),
+                              workload_.train_metrics()});
     }
-    const auto optimizer_start = Clock::now();
     const int64_t step_number = state_.global_step + 1;
+    if (read_late_ && !scaler_.enabled() && p_.nonfinite_loss == NonfiniteLoss::Stop) {
+      step_reading_late(step_number, group, torch::stack(micro_losses), std::move(micro_counts));
+      return;
+    }
+    StepLosses losses = log_micro_steps(torch::stack(micro_losses), std::move(micro_counts));
+    const auto optimizer_start = Clock::now();
     bool stepped = false;
     {
       obs::Span optimizer_span("optimizer step", "compute");
@@ -252,7 +271,8 @@ class Loop {
         // The global norm over every worker's gradients: clipped when asked, logged anyway.
         if (p_.max_grad_norm > 0 || log_.is_logged(step_number)) {
           grad_norm_ = engine_.clip_grad_norm(p_.max_grad_norm > 0 ? p_.max_grad_norm
-                                                                   : std::numeric_limits<double>::infinity());
+                                                                   : std::numeric_limits<double>::infinity())
+                           .item<double>();
           // Finite losses can still give gradients that overflow; the norm is the same on every
           // rank (global), so this decision is too. (fp16's were checked by the scaler.)
           if (!scaler_.enabled() && !std::isfinite(grad_norm_)) {
@@ -284,6 +304,123 @@ class Loop {
                   loss_counted, state_.nonfinite_skipped_steps);
   }
 
+  // Note [the step's reads, a step late]
+  // On a GPU the host runs ahead, queueing kernels the device has not reached yet; every number
+  // the host reads back (a loss, a norm, a flag) makes it wait until the device has caught up,
+  // and the device then idles while the host launches again. A step needs three: the losses
+  // (logged, and checked for NaN/Inf on every rank), the gradient norm (clipping, logged,
+  // checked) and the global batch's loss items (token-weighted losses). The items are counted
+  // on the host from every rank's micro-batches (loss_item_scale: no collective). With
+  // nonfinite_loss: stop (the default) and no loss scaler, nothing else is read during the
+  // step: the losses are stacked on the device, their non-finite flag all-reduced there, the
+  // norm clips the gradients there (distributed/grad_norm.h), and the optimizer steps
+  // unconditionally; the step's numbers are read during the next step, once its first forward
+  // is queued (settle_step), or before anything is evaluated or saved. A NaN/Inf stops the run
+  // then, naming its step, with the same words on every rank; the update it made is never
+  // saved. nonfinite_loss: skip and fp16's scaler must decide before the update, so they read
+  // the step's numbers before it (one read of all the losses, one of the norm). Reading late is
+  // the rule on a GPU; REPLICA_STEP_READS=late|now forces either way anywhere (tests run both).
+  struct MicroCounts {
+    int64_t samples = 0, tokens = 0;
+    std::map<std::string, double> metrics;
+  };
+  struct UnreadStep {
+    int64_t step = 0;
+    torch::Tensor losses;      // [micro-batches], this rank's, as backpropagated
+    torch::Tensor nonfinite;   // how many ranks had a non-finite loss (all-reduced on the device)
+    torch::Tensor grad_norm;   // 0-dim; undefined when not measured
+    std::vector<MicroCounts> counts;
+    double epoch = 0, lr = 0;
+  };
+
+  static bool reads_late(torch::Device device) {
+    if (const auto mode = env("REPLICA_STEP_READS")) {
+      if (*mode == "late") return true;
+      if (*mode == "now") return false;
+      fail("REPLICA_STEP_READS={} is not late or now", *mode);
+    }
+    return device.is_cuda();
+  }
+
+  // One read of a step's losses, logged micro-batch by micro-batch.
+  StepLosses log_micro_steps(const torch::Tensor& losses, std::vector<MicroCounts> counts) {
+    StepLosses out;
+    const auto values = losses.to(torch::kCPU, torch::kDouble).contiguous();
+    const double* v = values.data_ptr<double>();
+    for (size_t k = 0; k < counts.size(); ++k) {
+      out.add(v[k]);
+      log_.add_micro_step(v[k], counts[k].samples, counts[k].tokens, counts[k].metrics);
+    }
+    return out;
+  }
+
+  // The rest of a step whose numbers are read during the next one.
+  void step_reading_late(int64_t step_number, int64_t group, torch::Tensor losses, std::vector<MicroCounts> counts) {
+    const auto optimizer_start = Clock::now();
+    UnreadStep u;
+    u.step = step_number;
+    u.losses = losses;
+    {
+      obs::Span optimizer_span("optimizer step", "compute");
+      u.nonfinite = torch::isfinite(losses).logical_not().any().to(torch::kDouble).reshape({1});
+      pg_.allreduce_sum(u.nonfinite).wait();  // a device tensor on a GPU: queued, not waited for
+      if (p_.max_grad_norm > 0 || log_.is_logged(step_number)) {
+        u.grad_norm = engine_.clip_grad_norm(p_.max_grad_norm > 0 ? p_.max_grad_norm
+                                                                  : std::numeric_limits<double>::infinity());
+      }
+      optimizer_.step();
+      engine_.after_step();
+    }
+    log_.split().optimizer += since(optimizer_start);
+    state_.micro_step += group;
+    state_.global_step += 1;
+    u.counts = std::move(counts);
+    u.epoch = epoch_progress();
+    u.lr = learning_rate(p_.scheduler, p_.lr, state_.global_step - 1, total_steps_, warmup_);
+    unread_ = std::move(u);
+  }
+
+  // Reads the step left unread (if any): logs it, and stops the run when its loss or gradient
+  // norm was not finite on some rank. Every rank calls it at the same points.
+  void settle_step() {
+    if (!unread_) return;
+    UnreadStep u = std::move(*unread_);
+    unread_.reset();
+    const StepLosses losses = log_micro_steps(u.losses, std::move(u.counts));
+    if (u.nonfinite.item<double>() > 0) {
+      // Which ranks, in the same words on every rank (a collective only in this case).
+      const NonfiniteLosses bad = agree_on_losses(losses, pg_);
+      fail("{}", nonfinite_stop_message(u.step, fmt::format("the training loss is not finite ({})", bad.where),
+                                        /*read_late=*/true));
+    }
+    if (u.grad_norm.defined()) {
+      grad_norm_ = u.grad_norm.item<double>();
+      if (!std::isfinite(grad_norm_)) {
+        fail("{}", nonfinite_stop_message(
+                       u.step, fmt::format("the gradient norm is {} (every worker's loss is finite)", grad_norm_),
+                       /*read_late=*/true));
+      }
+    }
+    log_.end_step(u.step, u.epoch, u.lr, grad_norm_, true, state_.nonfinite_skipped_steps);
+  }
+
+  // Every rank's order of the current epoch (each rank computes all of them: the sampler is a
+  // function of the epoch and the seed), for loss_item_scale.
+  std::vector<std::vector<int64_t>> orders_of_every_rank() const {
+    std::vector<std::vector<int64_t>> out;
+    for (int r = 0; r < pg_.size(); ++r) {
+      if (r == pg_.rank() || workload_.loss_items({}) < 0) {
+        out.push_back(r == pg_.rank() ? sampler_.indices() : std::vector<int64_t>());
+        continue;
+      }
+      data::DistributedSampler other(workload_.train_size(), r, pg_.size(), p_.shuffle,
+                                     static_cast<uint64_t>(p_.seed), /*drop_last=*/false);
+      other.set_epoch(state_.epoch);
+      out.push_back(other.indices());
+    }
+    return out;
+  }
+
   // A step whose loss (or gradient norm) is NaN/Inf on some rank: nonfinite_loss stop ends the
   // run here, before the update (the same error on every rank, none left waiting); skip drops
   // the step's gradients, counts it and says so, like fp16's scaler does for an overflow.
@@ -300,17 +437,20 @@ class Loop {
 
   // Token-weighted workloads: the loss terms of the whole global batch (every micro-batch of
   // this step on every rank), so that each rank's summed loss times world / items, averaged
-  // by DDP, is the mean over all of them. 0 for workloads that average per micro-batch.
-  double loss_item_scale(const std::vector<std::vector<int64_t>>& micro_batches) {
-    int64_t local_items = 0;
-    for (const auto& indices : micro_batches) {
-      const int64_t n = workload_.loss_items(indices);
-      if (n < 0) return 0;
-      local_items += n;
+  // by DDP, is the mean over all of them. 0 for workloads that average per micro-batch. Counted
+  // here from every rank's micro-batches (orders_of_every_rank): every rank holds the whole
+  // training set, so no collective (and on a GPU no wait) is needed for it.
+  template <typename MicroBatchesOf>
+  double loss_item_scale(const std::vector<std::vector<int64_t>>& orders, MicroBatchesOf micro_batches_of) {
+    int64_t items = 0;
+    for (const auto& order : orders) {
+      for (const auto& indices : micro_batches_of(order)) {
+        const int64_t n = workload_.loss_items(indices);
+        if (n < 0) return 0;
+        items += n;
+      }
     }
-    auto t = torch::tensor({static_cast<double>(local_items)}, torch::kDouble);
-    pg_.allreduce_sum(t).wait();
-    return static_cast<double>(pg_.size()) / std::max(1.0, t[0].item<double>());
+    return static_cast<double>(pg_.size()) / std::max<double>(1.0, static_cast<double>(items));
   }
 
   torch::Tensor forward(const std::vector<int64_t>& indices, double item_scale, int64_t group) {
@@ -339,6 +479,7 @@ class Loop {
   }
 
   void evaluate(double epoch) {
+    settle_step();  // the step's line before the evaluation's
     if (workload_.valid_size() == 0) return;
     std::vector<int64_t> mine;
     for (int64_t i = pg_.rank(); i < workload_.valid_size(); i += pg_.size()) mine.push_back(i);
@@ -364,6 +505,8 @@ class Loop {
   StepLog log_;
   LossScaler scaler_;
   double grad_norm_ = 0;
+  const bool read_late_;
+  std::optional<UnreadStep> unread_;  // Note [the step's reads, a step late]
 };
 
 }  // namespace

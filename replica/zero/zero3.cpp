@@ -433,7 +433,7 @@ std::vector<std::string> Zero3::shard_names() const {
   return out;
 }
 
-double Zero3::clip_grad_norm(double max_norm) {
+torch::Tensor Zero3::clip_grad_norm(double max_norm) {
   std::vector<torch::Tensor> grads;
   for (auto& g : groups_) {
     if (g->info.trainable) grads.push_back(g->master.grad());

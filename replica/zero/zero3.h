@@ -121,8 +121,8 @@ class Zero3 : private models::LayerHooks {
   std::vector<std::string> shard_names() const;
 
   // Global-norm clipping across all shards (torch::nn::utils::clip_grad_norm_'s formula);
-  // returns the norm before clipping. Collective.
-  double clip_grad_norm(double max_norm);
+  // returns the norm before clipping, a 0-dim float64 tensor not yet read. Collective.
+  torch::Tensor clip_grad_norm(double max_norm);
   // After optimizer.step(): persistent groups are gathered again from the new shards.
   void after_step();
 

@@ -55,6 +55,8 @@ class RewardModelImpl : public torch::nn::Module, public models::HookedLayers {
     auto positions = torch::arange(T, ids.options());
     auto last = (positions.unsqueeze(0) * ids.ne(pad_id).to(torch::kInt64)).argmax(-1);  // [N]
     auto picked = hidden.gather(1, last.view({-1, 1, 1}).expand({-1, 1, hidden.size(2)})).squeeze(1);  // [N, H]
+    // The head is fp32 (trained as an adapter is, over a bf16 decoder too): its input widened.
+    picked = picked.to(score->weight.scalar_type());
     auto scores = run_layer(*score, [&] { return score->forward(picked); });
     return scores.squeeze(-1).to(torch::kFloat32);
   }
@@ -276,7 +278,8 @@ class PreferenceWorkload final : public train::Workload {
       models::save_adapter(*model_const(), lora_, dir, score_tensors());
     } else {
       json c = json::parse(llm_->config().to_json_string());
-      c["torch_dtype"] = "float32";  // checkpoints hold the fp32 master weights
+      // The weights as held (fp32, or bf16 with their fp32 masters in optimizer.safetensors).
+      c["torch_dtype"] = models::dtype_to_string(train::held_weight_dtype(*llm_));
       if (trainer_ == Trainer::Reward) reward_config(c);
       write_file_atomically((fs::path(dir) / "config.json").string(), c.dump(2) + "\n");
     }

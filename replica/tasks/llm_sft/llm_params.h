@@ -29,6 +29,9 @@ struct LlmParams {
   bool quantize_embeddings = false;         // also the embeddings and lm_head (with quantization)
   bool disable_gradient_checkpointing = false;
   bool use_flash_attention_2 = false;
+  // The dtype the model's weights are held in (TRL's / transformers' torch_dtype): float32, or
+  // bfloat16 with fp32 master weights stepped by the optimizer; auto: config.json's.
+  std::string torch_dtype = "float32";
   bool unsloth = false;
   double router_aux_loss_coef = -1;         // -1: the model's config.json decides
   // The alignment trainers (dpo, orpo, reward; replica/tasks/llm_preference), AutoTrain's names

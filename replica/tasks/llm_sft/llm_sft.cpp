@@ -144,6 +144,8 @@ models::QuantOptions quant_options_of(const RunConfig& config) {
   return options;
 }
 
+torch::ScalarType torch_dtype_of(const RunConfig& config);  // Note [bf16 weights]
+
 void check_llm_sft_config(const RunConfig& config) {
   const LlmSftSettings s = llm_sft_settings(config);
   if (llm_params(config).peft && llm_params(config).quantize_embeddings && !quant_options_of(config).enabled()) {
@@ -179,6 +181,11 @@ void check_llm_sft_config(const RunConfig& config) {
            adapter.task_type, llm_params(config).trainer, reward ? "SEQ_CLS (reward model)" : "CAUSAL_LM");
     }
   }
+  if (llm_params(config).torch_dtype == "float16") {
+    fail("params.torch_dtype float16 is not supported: float16 weights need loss scaling through every layer; use "
+         "torch_dtype: bfloat16 (bf16 weights, fp32 masters) or mixed_precision: fp16 (fp32 weights, fp16 compute "
+         "under a loss scaler)");
+  }
   if (llm_params(config).unsloth) fail("unsloth is not available in replica (a CUDA-only library); leave unsloth false");
   const fs::path model(config.base_model);
   if (!fs::is_directory(model)) fail("base_model '{}' is not a model directory", config.base_model);
@@ -187,6 +194,11 @@ void check_llm_sft_config(const RunConfig& config) {
     fail("base_model '{}' has no tokenizer (tokenizer.json or tokenizer.model)", config.base_model);
   }
   models::read_hf_config(config.base_model);  // an unsupported architecture is an error here
+  if (torch_dtype_of(config) == torch::kBFloat16 && config.params.mixed_precision == Precision::Fp16) {
+    fail("params.torch_dtype {} (bf16 weights) with mixed_precision fp16: autocast would compute the bf16 weights "
+         "in fp16; use mixed_precision bf16 or none with bf16 weights",
+         llm_params(config).torch_dtype);
+  }
   const std::string file = data::resolve_records_file(config.data.path, config.data.train_split);
   if (!fs::exists(file)) fail("data: training file '{}' does not exist", file);
   if (config.data.valid_split) {
@@ -197,7 +209,32 @@ void check_llm_sft_config(const RunConfig& config) {
   if (s.block_size < 2) fail("params.block_size must be at least 2 (or -1), got {}", s.block_size);
 }
 
+// Note [bf16 weights]
+// torch_dtype: bfloat16 holds every weight of the model in bf16, as transformers'
+// from_pretrained(torch_dtype=torch.bfloat16) does, and the step computes in bf16 throughout
+// (no autocast casts; mixed_precision: bf16 on top changes nothing). What transformers' Trainer
+// then does, stepping the bf16 weights themselves, loses updates smaller than half a bf16 ulp
+// of the weight (lr 1e-5 on a weight of 1 is 1/400 of one). replica does not: full
+// fine-tuning's optimizer steps fp32 master copies and rounds them into the weights (Note
+// [master weights] in train/optim.cpp; the masters go into every checkpoint, so a resumed run
+// continues bit for bit), ZeRO-3 keeps its own fp32 master shards (zero/zero3.h), and LoRA
+// over the bf16 base trains fp32 adapters (PEFT's autocast_adapter_dtype). Half the weight
+// memory and bf16 GEMMs with no casts per step: what FSDP2's MixedPrecisionPolicy and
+// DeepSpeed's bf16 mode run. Without it (float32), the weights are fp32 and mixed_precision
+// bf16 computes under autocast; peft with mixed_precision bf16 holds the frozen base in bf16.
+torch::ScalarType torch_dtype_of(const RunConfig& config) {
+  const std::string& name = llm_params(config).torch_dtype;
+  if (name == "bfloat16") return torch::kBFloat16;
+  if (name == "auto") {
+    // config.json's, where it is bfloat16; a float16 checkpoint trains in float32 (its weights
+    // widen exactly) since float16 weights would need loss scaling through every layer.
+    return models::read_hf_config(config.base_model).torch_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
+  }
+  return torch::kFloat32;
+}
+
 torch::ScalarType base_weight_dtype(const RunConfig& config) {
+  if (torch_dtype_of(config) == torch::kBFloat16) return torch::kBFloat16;
   // PEFT in bf16: the frozen base is held in bf16 (the adapters stay fp32, the master
   // weights); full fine-tuning keeps fp32 weights and computes in bf16 under autocast.
   const bool bf16 = config.params.mixed_precision == Precision::Bf16;
@@ -402,7 +439,8 @@ class LlmSft final : public Workload {
       models::save_adapter(*model_, lora_, dir);  // adapter_config.json (and the same weights again)
     } else {
       models::LlamaConfig c = model_->config();
-      c.torch_dtype = "float32";  // checkpoints hold the fp32 master weights
+      // The weights as held (fp32, or bf16 with their fp32 masters in optimizer.safetensors).
+      c.torch_dtype = models::dtype_to_string(held_weight_dtype(*model_));
       write_file_atomically((fs::path(dir) / "config.json").string(), c.to_json_string());
     }
   }
@@ -608,6 +646,16 @@ TaskSpec llm_sft_task() {
                                      "GPU where it can)")
                        : std::string();
           }),
+      key("torch_dtype", &L::torch_dtype,
+          "the dtype the model's weights are held in: float32, or bfloat16 (half the weight memory, bf16 compute "
+          "throughout; the optimizer steps fp32 master weights, LoRA adapters stay fp32); auto: config.json's "
+          "(bfloat16, else float32)")
+          .group("LLM")
+          .one_of({"float32", "bfloat16", "auto", "float16"})
+          .alias("bf16", "bfloat16")
+          .alias("fp32", "float32")
+          .alias("float", "float32")
+          .null_is("float32"),
       key("unsloth", &L::unsloth, "Unsloth's kernels (CUDA-only: refused)").group("LLM"),
       key("router_aux_loss_coef", &L::router_aux_loss_coef,
           "mixture-of-experts models (gpt_oss): add this times the router's load-balancing loss to the training "

@@ -6,7 +6,8 @@
 // Model. The base model directory (HF layout) in fp32. peft: LoRA adapters (r, alpha,
 // dropout, target_modules; all-linear never includes lm_head) on the frozen base, which is
 // held in bf16 when mixed_precision is bf16 (the fp32 adapters are the master weights);
-// full fine-tuning keeps fp32 master weights and computes in bf16 under autocast.
+// full fine-tuning keeps fp32 weights and computes in bf16 under autocast. torch_dtype
+// bfloat16 holds the weights themselves in bf16 (Note [bf16 weights] in llm_sft.cpp).
 // quantization int4 / int8 (QLoRA, peft only): the base's decoder linears are quantized as
 // they are loaded (models/quant.h: NF4 with double quantization, or per-row int8) and
 // dequantized per layer on the fly; the adapter saved is the same PEFT adapter as over the
@@ -58,9 +59,14 @@ TaskSpec llm_sft_task();
 models::LlamaForCausalLM load_llm_for_training(const RunConfig& config, const WorkloadContext& context,
                                                const std::string& tag, models::LoraConfig* lora,
                                                models::HfExtraTensors* extra = nullptr);
-// The dtype an llm run holds its base weights in: bf16 for peft with mixed_precision bf16, else
-// fp32 (DPO's reference model is held the same way).
+// The dtype an llm run holds its base weights in: torch_dtype's (auto: config.json's, bfloat16
+// or else float32), or bf16 for peft with mixed_precision bf16, else fp32 (DPO's reference model
+// is held the same way).
 torch::ScalarType base_weight_dtype(const RunConfig& config);
+// The dtype the model's (unquantized) weights are held in: what a checkpoint's config.json says.
+inline torch::ScalarType held_weight_dtype(const models::LlamaForCausalLMImpl& model) {
+  return model.model->norm->weight.scalar_type();
+}
 // params.quantization and params.quantize_embeddings as the loader takes them.
 models::QuantOptions quant_options_of(const RunConfig& config);
 // Copies the tokenizer files of model directory FROM into TO (final/ carries them).

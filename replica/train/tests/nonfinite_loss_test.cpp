@@ -125,7 +125,8 @@ class NonfiniteRun : public replica::testing::ScratchDirTest {
   }
 
   // A small SGD run on the MLP; `extra` flags over it.
-  Result run(const std::string& project, const std::vector<std::string>& extra) {
+  Result run(const std::string& project, const std::vector<std::string>& extra,
+             const std::map<std::string, std::string>& env = {}) {
     std::ofstream(dir_ / "run.yaml") << "task: image-classification\nmodel: mlp\nlog: jsonl\n"
                                      << "data:\n  path: " << kFashionMnist << "\n  valid_split: null\n"
                                      << "params:\n  nproc_per_node: 1\n  batch_size: 16\n  optimizer: sgd\n"
@@ -135,7 +136,7 @@ class NonfiniteRun : public replica::testing::ScratchDirTest {
     std::vector<std::string> args = {"--config", (dir_ / "run.yaml").string(), "--project-name",
                                      (dir_ / project).string()};
     args.insert(args.end(), extra.begin(), extra.end());
-    return replica::testing::run_program(REPLICA_BIN, args, {}, std::chrono::seconds(90));
+    return replica::testing::run_program(REPLICA_BIN, args, env, std::chrono::seconds(90));
   }
 };
 
@@ -165,6 +166,33 @@ TEST_F(NonfiniteRun, EveryWorkerStopsAtTheSameStep) {
             std::string::npos)
       << r;
   EXPECT_FALSE(fs::exists(dir_ / "p" / "final"));
+}
+
+// The numbers of a step read during the next one (Note [the step's reads, a step late] in
+// trainer.cpp; a GPU's default, forced here): the same stop at the same step on every worker,
+// the same words but for what happened to the update, nothing of step 2 saved or logged.
+TEST_F(NonfiniteRun, ReadingTheStepLateStopsAtTheSameStepAndSavesNothing) {
+  const std::map<std::string, std::string> late = {{"REPLICA_STEP_READS", "late"}};
+  const Result one = run("one", {"--lr", "1e30", "--max-steps", "4", "--checkpoint-every", "1"}, late);
+  EXPECT_NE(one.exit_code, 0) << one;
+  EXPECT_NE(one.err.find("error: step 2: the training loss is not finite (rank 0: nan in micro-batch 1 of 1); the "
+                         "run stops (this step's update is not saved)"),
+            std::string::npos)
+      << one;
+  EXPECT_TRUE(all_finite(dir_ / "one" / "checkpoint-1" / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir_ / "one" / "checkpoint-2"));
+  EXPECT_FALSE(fs::exists(dir_ / "one" / "final"));
+  EXPECT_EQ(metrics_of(dir_ / "one").size(), 1u);
+  const Result two = run("two", {"--lr", "1e30", "--max-steps", "4", "--nproc-per-node", "2", "--batch-size", "8"}, late);
+  EXPECT_NE(two.exit_code, 0) << two;
+  EXPECT_FALSE(two.timed_out) << two;
+  EXPECT_NE(two.all().find("step 2: the training loss is not finite (rank 0: nan in micro-batch 1 of 1; rank 1: nan"),
+            std::string::npos)
+      << two;
+  EXPECT_FALSE(fs::exists(dir_ / "two" / "final"));
+  const Result bad = run("bad", {"--max-steps", "1"}, {{"REPLICA_STEP_READS", "soon"}});
+  EXPECT_NE(bad.exit_code, 0) << bad;
+  EXPECT_NE(bad.all().find("REPLICA_STEP_READS=soon is not late or now"), std::string::npos) << bad;
 }
 
 // A finite loss whose update overflows: the weights are Inf after step 1, caught before

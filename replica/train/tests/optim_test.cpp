@@ -358,3 +358,76 @@ TEST(MasterWeights, Bf16ParametersStepFp32CopiesAndHoldThemRounded) {
   }
   EXPECT_TRUE(found);
 }
+
+// The masters go into the optimizer state ("<name>.master", fp32) and come back from it: an
+// optimizer made over the checkpoint's bf16 weights continues bit for bit, where one that
+// started its masters from those weights (their rounding) would not. Loading also refreshes the
+// copies of parameters without saved masters from the loaded weights (they were made before).
+TEST(MasterWeights, MastersInTheStateResumeBitForBit) {
+  torch::manual_seed(11);
+  const auto start = torch::randn({64}) + 4.0f;
+  const OptimizerSpec spec{replica::train::OptimizerKind::AdamW, 1e-3, 0.0, 0.01};
+  std::vector<torch::Tensor> grads;
+  for (int i = 0; i < 10; ++i) grads.push_back(torch::randn({64}).to(torch::kBFloat16));
+  auto run_steps = [&](torch::optim::Optimizer& o, torch::Tensor& p, int from, int to) {
+    for (int i = from; i < to; ++i) {
+      p.mutable_grad() = grads[static_cast<size_t>(i)].clone();
+      o.step();
+    }
+  };
+  auto straight = start.to(torch::kBFloat16).requires_grad_();
+  auto o1 = replica::train::make_optimizer(spec, {straight});
+  run_steps(*o1, straight, 0, 10);
+
+  auto first = start.to(torch::kBFloat16).requires_grad_();
+  auto o2 = replica::train::make_optimizer(spec, {first});
+  run_steps(*o2, first, 0, 5);
+  const auto state = replica::train::optimizer_state(*o2, replica::train::OptimizerKind::AdamW, {first}, {"w"});
+  torch::Tensor master;
+  for (const auto& [name, t] : state) {
+    if (name == "w.master") master = t.clone();
+  }
+  ASSERT_TRUE(master.defined()) << "no w.master in the optimizer state";
+  EXPECT_EQ(master.scalar_type(), torch::kFloat32);
+  EXPECT_TRUE(torch::equal(master.to(torch::kBFloat16), first.detach()));  // the weights are its rounding
+  EXPECT_FALSE(torch::equal(master, first.detach().to(torch::kFloat32)));  // and it holds more
+  // A new run: the optimizer is made over the initial weights, then the checkpoint is loaded.
+  auto resumed = start.to(torch::kBFloat16).requires_grad_();
+  auto o3 = replica::train::make_optimizer(spec, {resumed});
+  {
+    torch::NoGradGuard no_grad;
+    resumed.copy_(first.detach());  // the checkpoint's model weights
+  }
+  replica::train::load_optimizer_state(*o3, replica::train::OptimizerKind::AdamW, {resumed}, {"w"}, state);
+  run_steps(*o3, resumed, 5, 10);
+  EXPECT_TRUE(torch::equal(resumed, straight));
+
+  // State without masters (an fp32 run's, or older): the masters start from the loaded weights,
+  // not from the weights the optimizer was made over.
+  replica::io::NamedTensors without;
+  for (const auto& [name, t] : state) {
+    if (name != "w.master") without.emplace_back(name, t);
+  }
+  auto from_weights = start.to(torch::kBFloat16).requires_grad_();
+  auto o4 = replica::train::make_optimizer(spec, {from_weights});
+  {
+    torch::NoGradGuard no_grad;
+    from_weights.copy_(first.detach());
+  }
+  replica::train::load_optimizer_state(*o4, replica::train::OptimizerKind::AdamW, {from_weights}, {"w"}, without);
+  auto* copying = dynamic_cast<replica::train::CopyStepOptimizer*>(o4.get());
+  ASSERT_NE(copying, nullptr);
+  EXPECT_TRUE(torch::equal(copying->copies()[0].detach(), first.detach().to(torch::kFloat32)));
+
+  // Masters of a parameter this run does not hold in bf16 are refused, naming the tensor.
+  replica::io::NamedTensors stray = state;
+  stray.emplace_back("v.master", torch::zeros({3}));
+  auto o5 = replica::train::make_optimizer(spec, {start.to(torch::kBFloat16).requires_grad_()});
+  try {
+    replica::train::load_optimizer_state(*o5, replica::train::OptimizerKind::AdamW,
+                                         {start.to(torch::kBFloat16).requires_grad_()}, {"w"}, stray);
+    ADD_FAILURE() << "stray masters were accepted";
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'v.master'"), std::string::npos) << e.what();
+  }
+}

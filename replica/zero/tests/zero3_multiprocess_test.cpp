@@ -129,13 +129,13 @@ double train_both(const Setup& s, std::shared_ptr<replica::distributed::ProcessG
       }
     }
     if (max_grad_norm > 0) {
-      const double zn = zero->clip_grad_norm(max_grad_norm);
+      const double zn = zero->clip_grad_norm(max_grad_norm).item<double>();
       // PyTorch's norm of the DDP gradients (a max_norm it never reaches scales by exactly 1)...
       const double torch_norm = torch::nn::utils::clip_grad_norm_(ddp_params, 1e30);
       // ...and the clipping replica's DDP does (the trainer's). Not torch's clip_grad_norm_:
       // since LibTorch 2.x it computes the clip coefficient in float32 (1.13: double), an
       // ulp that AdamW magnifies past 1e-5 in 20 steps; both engines share distributed::clip_grad_norm.
-      const double dn = ddp.clip_grad_norm(max_grad_norm);
+      const double dn = ddp.clip_grad_norm(max_grad_norm).item<double>();
       if (std::abs(zn - dn) > 1e-4 * std::max(1.0, dn)) fail("step {}: global norm {} vs DDP {}", step, zn, dn);
       if (std::abs(zn - torch_norm) > 1e-4 * std::max(1.0, torch_norm)) {
         fail("step {}: global norm {} vs PyTorch's {}", step, zn, torch_norm);

@@ -3,6 +3,7 @@
 // fine-tuning in bf16 resuming bit for bit; what final/ holds; clear errors.
 #include <gtest/gtest.h>
 
+#include "replica/testing/llm_demo.h"
 #include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
 #include "replica/tasks/llm_sft/llm_sft.h"
@@ -36,30 +37,9 @@ struct PreferenceDemo {
 };
 
 const PreferenceDemo& demo() {
-  static const PreferenceDemo* d = [] {
-    auto* out = new PreferenceDemo;
-    std::string tmpl = (fs::temp_directory_path() / "replica-preference-test-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    out->root = tmpl;
-    out->demo = replica::train::write_llm_demo((out->root / "demo").string());
-    return out;
-  }();
-  return *d;
+  static const PreferenceDemo d{replica::testing::llm_demo().run_dir("preference"), replica::testing::llm_demo().demo};
+  return d;
 }
-
-class RemovePreferenceDemo : public ::testing::Environment {
- public:
-  void TearDown() override {
-    if (::testing::UnitTest::GetInstance()->Passed()) {
-      std::error_code ignored;
-      fs::remove_all(demo().root, ignored);
-    } else {
-      std::cerr << "(preference test directory kept for inspection: " << demo().root << ")\n";
-    }
-  }
-};
-[[maybe_unused]] ::testing::Environment* const remove_demo =
-    ::testing::AddGlobalTestEnvironment(new RemovePreferenceDemo);
 
 std::vector<json> metrics_of(const fs::path& project) {
   std::vector<json> out;

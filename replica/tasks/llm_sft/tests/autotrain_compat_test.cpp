@@ -6,6 +6,7 @@
 
 #include "replica/tasks/llm_sft/llm_params.h"
 #include "replica/tasks/llm_sft/llm_sft.h"
+#include "replica/testing/llm_demo.h"
 #include "replica/testing/paths.h"
 #include "replica/testing/program_runner.h"
 #include "replica/train/run_config.h"
@@ -53,10 +54,8 @@ struct Demo {
 const Demo& demo() {
   static const Demo* d = [] {
     auto* out = new Demo;
-    std::string tmpl = (fs::temp_directory_path() / "replica-autotrain-test-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    out->root = tmpl;
-    out->demo = replica::train::write_llm_demo((out->root / "demo").string());
+    out->root = replica::testing::llm_demo().run_dir("autotrain");
+    out->demo = replica::testing::llm_demo().demo;
     out->chats = out->root / "chats";
     out->texts = out->root / "texts";
     out->preference = out->root / "preference";
@@ -84,18 +83,6 @@ const Demo& demo() {
   return *d;
 }
 
-class RemoveDemo : public ::testing::Environment {
- public:
-  void TearDown() override {
-    if (::testing::UnitTest::GetInstance()->Passed()) {
-      std::error_code ignored;
-      fs::remove_all(demo().root, ignored);
-    } else {
-      std::cerr << "(autotrain test directory kept for inspection: " << demo().root << ")\n";
-    }
-  }
-};
-[[maybe_unused]] ::testing::Environment* const remove_demo = ::testing::AddGlobalTestEnvironment(new RemoveDemo);
 
 // The config file as written, with only the model, the data and the project replaced.
 fs::path as_written(const std::string& file) {

@@ -2,6 +2,7 @@
 // `replica llm` / `tokenize` / `merge-adapter` commands end to end through the real program
 // (REPLICA_BIN) on the demo that `replica llm init-demo` writes.
 #include "replica/tasks/llm_sft/llm_sft.h"
+#include "replica/testing/llm_demo.h"
 #include "replica/testing/paths.h"
 
 #include "replica/core/error.h"
@@ -89,40 +90,15 @@ Ids concat(const std::vector<Ids>& parts) {
 // ---------------------------------------------------------------------------------------
 // The demo (model, tokenizer, data), written once for the whole program.
 
-bool demo_made = false;
-
 struct Demo {
-  fs::path root;
+  fs::path root;  // this file's runs
   LlmDemo demo;
 };
 
 const Demo& demo() {
-  static const Demo* d = [] {
-    auto* out = new Demo;
-    std::string tmpl = (fs::temp_directory_path() / "replica-llm-test-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    out->root = tmpl;
-    out->demo = write_llm_demo((out->root / "demo").string());
-    demo_made = true;
-    return out;
-  }();
-  return *d;
+  static const Demo d{replica::testing::llm_demo().run_dir("sft"), replica::testing::llm_demo().demo};
+  return d;
 }
-
-// The demo's directory goes when every test passed (kept for inspection otherwise).
-class RemoveDemo : public ::testing::Environment {
- public:
-  void TearDown() override {
-    if (!demo_made) return;
-    if (::testing::UnitTest::GetInstance()->Passed()) {
-      std::error_code ignored;
-      fs::remove_all(demo().root, ignored);
-    } else {
-      std::cerr << "(LLM test directory kept for inspection: " << demo().root << ")\n";
-    }
-  }
-};
-[[maybe_unused]] ::testing::Environment* const remove_demo = ::testing::AddGlobalTestEnvironment(new RemoveDemo);
 
 // The demo template, ChatML with BOS in front (what init-demo writes).
 std::string demo_template() {
