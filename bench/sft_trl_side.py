@@ -115,7 +115,7 @@ def make_model(args):
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, head_dim=64, **shape)
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(config)
-    model.save_pretrained(args.out, safe_serialization=True)
+    model.save_pretrained(args.out)  # safetensors, the default
     print(json.dumps({"out": args.out, "shape": args.shape, "parameters": sum(p.numel() for p in model.parameters()),
                       "vocab": len(tok), "tokenizer": tok_name, "transformers": transformers.__version__}))
     return 0
@@ -182,7 +182,7 @@ def make_adapter(args):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     torch.manual_seed(args.seed)
     model = get_peft_model(model, lora_config(args.r, args.alpha))
-    model.save_pretrained(args.out, safe_serialization=True)
+    model.save_pretrained(args.out)  # safetensors, the default
     print(json.dumps({"out": args.out, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}))
     return 0
 

@@ -59,7 +59,8 @@
 # formula (PEAK_TFLOPS from nvidia-smi's name: H100/H200 989, A100 312; 0: none).
 #
 # Output: one line per run (job, round, side, tokens/s, tokens counted, seconds measured, peak
-# memory MiB, wall time incl. startup), per job the step-1 losses, the loss curves side by side
+# memory MiB, wall time incl. startup, CPU seconds user + system of the whole run incl. startup: on
+# a machine shared with other work the wall-clock figures depend on each side's share of the cores), per job the step-1 losses, the loss curves side by side
 # (round 1), the held-out losses, then per job the medians and ratios (tokens/s > 1: replica
 # faster; memory < 1: replica smaller). Raw outputs under WORK (default /tmp/sft_vs_trl).
 #
@@ -175,13 +176,17 @@ mem_mib() {  # side out: CUDA peak allocated, else the peak RSS of the largest p
     else "$PY" -c 'import json, sys; print("%.1f" % json.load(open(sys.argv[1]))["max_allocated_mib"])' "$2/memory.json"; fi
   else awk -F': ' '/Maximum resident/ {printf "%.0f", $2 / 1024}' "$2.time"; fi
 }
+cpu_s() {  # out: user + system seconds of the whole run (startup included), from /usr/bin/time
+  if [ -f "$1.time" ]; then awk -F': ' '/User time/ {u = $2} /System time/ {s = $2} END {printf "%.1f", u + s}' "$1.time"
+  else echo -; fi
+}
 median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 busy() { ps -eo comm= | grep -cE '^(cc1plus|ninja|ld|c\+\+|clang|make)$' || true; }
 
 echo "# $(date -u +%FT%TZ) load: $(cut -d' ' -f1-3 /proc/loadavg)  compilers running: $(busy)  replica: $(sha256sum "$BIN" | cut -c1-12)"
 echo "# DEVICE=$DEVICE model $SHAPE ($PARAMS parameters) STEPS=$STEPS WARMUP=$WARMUP BLOCK=$BLOCK BATCH=$BATCH GRAD_ACCUM=$GRAD_ACCUM WORLD=$WORLD LR=$LR precision $PRECISION"
 mem_name=rss_MiB; [ "$DEVICE" = cuda ] && mem_name=alloc_MiB
-printf "%-5s %5s %-8s %10s %8s %8s %10s %7s\n" job round side "tokens/s" tokens seconds "$mem_name" "wall_s"
+printf "%-5s %5s %-8s %10s %8s %8s %10s %7s %7s\n" job round side "tokens/s" tokens seconds "$mem_name" "wall_s" "cpu_s"
 declare -A RT TT RM TM
 for j in $JOBS; do
   for i in $(seq "$ROUNDS"); do
@@ -193,8 +198,8 @@ for j in $JOBS; do
       line=$("$PY" bench/preference_tokens_per_s.py "$side" "$out" --warmup "$WARMUP" --samples-per-step $PER_STEP)
       tps=$(echo "$line" | field tokens_per_s)
       mem=$(mem_mib "$side" "$out")
-      printf "%-5s %5s %-8s %10.1f %8s %8s %10s %7.1f\n" "$j" "$i" "$side" "$tps" "$(echo "$line" | field tokens)" \
-        "$(echo "$line" | field seconds)" "$mem" "$(cat "$out.wall")"
+      printf "%-5s %5s %-8s %10.1f %8s %8s %10s %7.1f %7s\n" "$j" "$i" "$side" "$tps" "$(echo "$line" | field tokens)" \
+        "$(echo "$line" | field seconds)" "$mem" "$(cat "$out.wall")" "$(cpu_s "$out")"
       # Only the last round's results are read again (the referee): the others' weights go.
       [ "$i" -lt "$ROUNDS" ] && [ "${KEEP_FINALS:-0}" != 1 ] && rm -rf "$out/final" "$out"/*.safetensors
       if [ $side = replica ]; then RT[$j]+="$tps "; RM[$j]+="$mem "
