@@ -15,7 +15,28 @@
 #   - DDP step time of MLP-54M (4 x 4096, batch 256) at world 1 over NCCL, replica against PyTorch
 #     DDP on the same GPU (bench/ddp_mlp.cpp, bench/ddp_mlp_peer.py), alternating, medians;
 #   - LoRA SFT memory and tokens/s of a 349M Llama shape at batch 1 x 2048 tokens, bf16 and fp32,
-#     replica against transformers + peft (bench/memory_compare.sh: the CUDA allocator's peaks).
+#     replica against transformers + peft (bench/memory_compare.sh: the CUDA allocator's peaks);
+#   - `trainer` (issue 39): the same SFT job through `replica llm --train` and TRL 0.13's SFTTrainer
+#     under `accelerate launch` (bench/sft_vs_trl.sh with DEVICE=cuda): Llama-3.2-1B's shape (1.24B,
+#     random weights, the repository's Llama 3 tokenizer), bf16, world 1, 4 x 2048 packed tokens a
+#     step, LoRA (r 16, alpha 32, every linear) and full fine-tuning, alternating SFT_ROUNDS (2)
+#     rounds of SFT_STEPS (20) steps: tokens/s, the CUDA allocator's peak allocated, the loss per
+#     step of both, one referee's held-out loss of both results, and the full fine-tune's MFU
+#     (6 x parameters x tokens/s / 989 TFLOP/s on H100/H200). TRL, datasets and the transformers
+#     4.57 / huggingface_hub / tokenizers / peft versions TRL 0.13 runs with come as wheels
+#     (scripts/gpu_bundle.sh: gpu-bundle/wheels), installed into a private directory for this
+#     section; without them the TRL side is skipped (the report says why) and replica runs alone.
+#     About 5-6 minutes on an H100 (estimate: model build ~1 min, per round ~2 min);
+#   - `multigpu`, only when two or more GPUs are visible (else the report says it was skipped): (a)
+#     DDP and ZeRO-3 (deepspeed, zero_stage 3) over NCCL at world N against world 1 at the same global
+#     batch (the demo model, full fine-tune, fp32, 8 steps: loss curves and final weights,
+#     bench/compare_finals.py); (b) all-reduce bus bandwidth per message size: torch.distributed's
+#     NCCL (bench/nccl_allreduce.py), `replica bench allreduce` (its host transports, shm and gloo:
+#     it has no NCCL transport) and nccl-tests' all_reduce_perf when installed; (c) scaling of the
+#     LLM SFT step (the trainer section's 1.24B model, full fine-tune, 4 x 2048 tokens per GPU):
+#     tokens/s at N / (N x tokens/s at 1).
+# Time: every section together runs longer than 10 minutes on an H100; the issue-39 check alone is
+# `SECTIONS="tests trainer multigpu"` (the tests ~3.5 min, the trainer ~5.5 min).
 # Binaries: BUILD_DIR (default build/) when they run here, else gpu-bundle/ (scripts/gpu_bundle.sh
 # on the build machine; carry it). LibTorch's libraries come from this machine's PyTorch.
 #   scripts/gpu_check.sh [REPORT]
@@ -61,11 +82,11 @@ fi
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # The tests' program and checkout (replica/testing/paths.h): this machine's copies.
 export REPLICA_TEST_BIN="$PWD/$BIN/replica" REPLICA_TEST_SOURCE_DIR="$PWD"
-# SECTIONS: which parts run (default all): tests llama ddp sft zero3 memory; PROFILE=1 adds a Chrome
+# SECTIONS: which parts run (default all): tests llama ddp sft zero3 memory trainer multigpu; PROFILE=1 adds a Chrome
 # trace of each side's Llama step (llama-{replica,pytorch}-MODE.json beside the report);
 # GPU_TESTS: a gtest filter for the tests; LLAMA_RUNS: the Llama step's precision:batch pairs
 # (default bf16:8 bf16-weights:8 bf16-weights:16).
-SECTIONS=${SECTIONS:-tests llama ddp sft zero3 memory}
+SECTIONS=${SECTIONS:-tests llama ddp sft zero3 memory trainer multigpu}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 # Each step is bounded (timeout) so that one that hangs leaves the others their time.
 bounded() { local s=$1; shift; echo "### $* (at most ${s}s)" >> "$LOG"; timeout -k 10 "$s" "$@"; }
@@ -258,5 +279,105 @@ say "## LoRA SFT over an NF4 (int4) base, replica alone, bf16, same model and se
 say '```'
 bench_run "tokens/s=" "$WORK/int4.txt" "$BENCH/bench_memory_llm" --device cuda --dtype bf16 --quantization int4 --steps 10 --warmup 3
 say '```'
+fi
+# Issue 39: replica's trainer against TRL 0.13's SFTTrainer on the same job (bench/sft_vs_trl.sh
+# says what is equal and what differs). TRL and datasets are not on the GPU machine and its
+# transformers is 5.x: the wheels of gpu-bundle/wheels go into a private directory, on
+# PYTHONPATH for this section's Python only.
+TRL_PY=$WORK/python-trl
+printf '#!/bin/sh\nPYTHONPATH=%q${PYTHONPATH:+:$PYTHONPATH} exec %q "$@"\n' "$WORK/pylib" "$PY" > "$TRL_PY"
+chmod +x "$TRL_PY"
+SFT_WORK=$WORK/sft-trl
+SFT_TOK=
+[ -f gpu-bundle/llama3-tokenizer/tokenizer.json ] && SFT_TOK=$PWD/gpu-bundle/llama3-tokenizer
+if want trainer; then
+say
+say "## SFT trainer: replica against TRL 0.13 SFTTrainer (accelerate launch), Llama-3.2-1B shape, bf16, world 1, cuda:0 ($name)"
+sides="replica trl" why=
+if ! ls gpu-bundle/wheels/trl-*.whl > /dev/null 2>&1; then
+  why="there is no gpu-bundle/wheels/trl-*.whl (scripts/gpu_bundle.sh downloads the wheels)"
+elif ! "$REAL_PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/pylib" \
+    gpu-bundle/wheels/*.whl >> "$LOG" 2>&1; then
+  why="pip install --target of gpu-bundle/wheels failed (its output is in the log)"
+elif ! "$TRL_PY" -c 'import trl, datasets, peft, accelerate, transformers; print("trl", trl.__version__, "datasets", datasets.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "accelerate", accelerate.__version__)' \
+    > "$WORK/trl-versions.txt" 2>> "$LOG"; then
+  why="trl, datasets, peft, accelerate or transformers do not import with the wheels (the log has the error)"
+fi
+if [ -n "$why" ]; then
+  sides=replica
+  say "TRL side skipped: $why. replica alone:"
+else
+  say "TRL side: $(cat "$WORK/trl-versions.txt") (from gpu-bundle/wheels; accelerate is the machine's)"
+fi
+say "\`bench/sft_vs_trl.sh ${SFT_ROUNDS:-2} ${SFT_JOBS:-lora full}\` with DEVICE=cuda STEPS=${SFT_STEPS:-20}, alternating, medians:"
+say '```'
+SIDES="$sides" PYTHON="$TRL_PY" REPLICA="$BIN/replica" DEVICE=cuda WORK="$SFT_WORK" TOKENIZER="$SFT_TOK" \
+  STEPS="${SFT_STEPS:-20}" bounded "${SFT_BOUND:-480}" bench/sft_vs_trl.sh "${SFT_ROUNDS:-2}" ${SFT_JOBS:-lora full} \
+  > "$WORK/trainer.log" 2>&1
+echo "(exit $?)" >> "$WORK/trainer.log"
+tee -a "$REPORT" < "$WORK/trainer.log" >> "$LOG"
+say '```'
+fi
+# Several GPUs: world N against world 1, all-reduce bandwidth, scaling. On one GPU it says so.
+if want multigpu; then
+say
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[ "${ngpu:-0}" -ge 1 ] || ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$ngpu" -lt 2 ]; then
+  say "multi-GPU section skipped: $ngpu GPU(s) visible, needs 2 or more"
+else
+  say "## Multi-GPU ($ngpu x $name): world $ngpu against world 1 over NCCL, all-reduce bandwidth, SFT scaling"
+  say
+  say "### (a) DDP and ZeRO-3 at world $ngpu equal world 1 at the same global batch (demo model, full fine-tune, fp32, 8 steps)"
+  say '```'
+  [ -d "$WORK/demo" ] || "$BIN/replica" llm init-demo "$WORK/demo" >> "$LOG" 2>&1
+  common=(llm --train --model "$WORK/demo/model" --data-path "$WORK/demo/data" --trainer sft --device cuda
+          --mixed-precision fp32 --shuffle false --max-steps 8 --logging-steps 1 --checkpoint-every 0 --lr 1e-4
+          --scheduler constant --warmup-ratio 0 --seed 42 --block-size 256 --gradient-accumulation 1)
+  for run in "w1 1 $((2 * ngpu)) ddp" "ddp-w$ngpu $ngpu 2 ddp" "zero3-w$ngpu $ngpu 2 deepspeed"; do
+    read -r tag nproc batch backend <<< "$run"
+    extra=(); [ "$backend" = deepspeed ] && extra=(--zero-stage 3)
+    bounded 150 "$BIN/replica" "${common[@]}" --project-name "$WORK/mg-$tag" --nproc-per-node "$nproc" \
+      --batch-size "$batch" --distributed-backend "$backend" "${extra[@]}" > "$WORK/mg-$tag.log" 2>&1
+    echo "$tag: world $nproc x batch $batch, $backend: exit $?; $(grep -E 'done:' "$WORK/mg-$tag.log" | tail -1 | sed 's/^\[[^]]*\] //')" | tee -a "$REPORT"
+    cat "$WORK/mg-$tag.log" >> "$LOG"
+  done
+  "$PY" bench/compare_finals.py --init "$WORK/demo/model" --tol "${MG_TOL:-1e-2}" "$WORK/mg-w1" "$WORK/mg-ddp-w$ngpu" \
+    "$WORK/mg-zero3-w$ngpu" 2>&1 | tee -a "$REPORT"
+  say '```'
+  say
+  say "### (b) all-reduce bus bandwidth per message size, $ngpu GPUs"
+  say '```'
+  bounded 120 "$PY" -m torch.distributed.run --nproc-per-node "$ngpu" bench/nccl_allreduce.py --backend nccl \
+    > "$WORK/nccl.log" 2>&1; cat "$WORK/nccl.log" >> "$LOG"
+  grep -E '^#|^ +[0-9]' "$WORK/nccl.log" | tee -a "$REPORT"
+  say "replica bench allreduce (host transports: replica's NCCL groups call NCCL itself, it has no NCCL transport of its own to time):"
+  bounded 120 "$BIN/replica" bench allreduce --nproc-per-node "$ngpu" --max-bytes 67108864 > "$WORK/rba.log" 2>&1
+  cat "$WORK/rba.log" >> "$LOG"
+  grep -E '^#|^ +[0-9]' "$WORK/rba.log" | tee -a "$REPORT"
+  if command -v all_reduce_perf > /dev/null 2>&1; then
+    say "nccl-tests all_reduce_perf -b 4K -e 256M -f 2 -g $ngpu:"
+    bounded 120 all_reduce_perf -b 4K -e 256M -f 2 -g "$ngpu" 2>&1 | tee -a "$LOG" | grep -vE '^#  *Rank|^$' | tail -30 | tee -a "$REPORT"
+  else
+    say "nccl-tests are not installed (no all_reduce_perf on PATH): no NCCL-tests figure quoted."
+  fi
+  say '```'
+  say
+  say "### (c) scaling of the SFT step, 1 -> $ngpu GPUs (replica, full fine-tune of the 1.24B Llama-3.2-1B shape, bf16, 4 x 2048 tokens per GPU)"
+  say '```'
+  for w in 1 "$ngpu"; do
+    SIDES=replica HELDOUT_EVAL=0 PYTHON="$TRL_PY" REPLICA="$BIN/replica" DEVICE=cuda WORK="$SFT_WORK" \
+      TOKENIZER="$SFT_TOK" WORLD="$w" STEPS="${SFT_STEPS:-20}" bounded 240 bench/sft_vs_trl.sh 1 full \
+      > "$WORK/scale-$w.log" 2>&1
+    cat "$WORK/scale-$w.log" >> "$LOG"
+    awk '$1 == "full" && $2 ~ /^[0-9.]+$/ {print $2}' "$WORK/scale-$w.log" | tail -1 > "$WORK/scale-$w.tps"
+    say "world $w: $(cat "$WORK/scale-$w.tps") tokens/s"
+  done
+  "$PY" -c 'import sys
+t1, tn, n = (float(x) if x.strip() else float("nan") for x in (open(sys.argv[1]).read(), open(sys.argv[2]).read(), sys.argv[3]))
+print("scaling efficiency 1 -> %d GPUs: %.3f (tokens/s at %d / (%d x tokens/s at 1))" % (n, tn / (n * t1), n, n))' \
+    "$WORK/scale-1.tps" "$WORK/scale-$ngpu.tps" "$ngpu" 2>&1 | tee -a "$REPORT"
+  say '```'
+fi
 fi
 echo "gpu_check: report in $REPORT, every step's output in $LOG"
