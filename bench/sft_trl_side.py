@@ -226,7 +226,9 @@ def train(args):
     tok.padding_side = "right"
     with open(args.data) as f:
         texts = [json.loads(line)["text"] for line in f if line.strip()]
-    dtype = torch.bfloat16 if (args.bf16 and args.peft) else torch.float32
+    # --weights-bf16: the whole model in bf16, its weights stepped in place (TRL's full
+    # fine-tuning with torch_dtype=bfloat16).
+    dtype = torch.bfloat16 if ((args.bf16 and args.peft) or args.weights_bf16) else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
     peft_config = lora_config(args.lora_r, args.lora_alpha) if args.peft else None
     cfg = trl.SFTConfig(
@@ -381,6 +383,7 @@ def main():
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--block", type=int, default=256)
     t.add_argument("--bf16", action="store_true")
+    t.add_argument("--weights-bf16", action="store_true")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     t.add_argument("--seed", type=int, default=42)
     h = sub.add_parser("heldout")

@@ -34,8 +34,11 @@
 #          torch.set_num_threads(1); accelerate's `--cpu --num_processes 2` would start one process,
 #          so the launch is trl_referee.py's: --multi_gpu on a machine without GPUs, which
 #          accelerate runs as MULTI_CPU).
-#   CUDA   DEVICE=cuda: bf16 autocast on both (LoRA: the base held in bf16, adapters fp32; full:
-#          fp32 master weights), WORLD 1, one process on cuda:0.
+#   CUDA   DEVICE=cuda: bf16 on both, WORLD 1, one process on cuda:0. LoRA: bf16 autocast, the base
+#          held in bf16, adapters fp32. Full: FULL_WEIGHTS=bf16 (the default on CUDA) holds the
+#          weights in bf16 on both sides (replica --torch-dtype bfloat16: fp32 masters stepped by
+#          the optimizer; TRL: the model loaded in bf16, its bf16 weights stepped in place, as TRL
+#          users run it); FULL_WEIGHTS=fp32: fp32 weights under bf16 autocast on both.
 # What differs: TRL (transformers 4.57's Trainer) divides each step's summed token loss by the
 # number of label tokens including each row's first, which is never predicted (BLOCK per row, where
 # the mean has BLOCK - 1): its logged loss and its gradients are (BLOCK - 1) / BLOCK of replica's
@@ -83,11 +86,16 @@ JOBS=${*:-lora full}
 DEVICE=${DEVICE:-cpu}
 if [ "$DEVICE" = cuda ]; then
   STEPS=${STEPS:-30} WARMUP=${WARMUP:-5} BLOCK=${BLOCK:-2048} BATCH=${BATCH:-4} WORLD=${WORLD:-1}
-  SHAPE=llama-3.2-1b PRECISION=bf16 BF16=--bf16
+  SHAPE=llama-3.2-1b PRECISION=bf16 BF16=--bf16 FULL_WEIGHTS=${FULL_WEIGHTS:-bf16}
 else
   STEPS=${STEPS:-20} WARMUP=${WARMUP:-2} BLOCK=${BLOCK:-256} BATCH=${BATCH:-2} WORLD=${WORLD:-2}
-  SHAPE=cpu PRECISION=fp32 BF16=
+  SHAPE=cpu PRECISION=fp32 BF16= FULL_WEIGHTS=${FULL_WEIGHTS:-fp32}
 fi
+# Full fine-tuning with bf16 weights: each side's flag for it.
+weights_args() {  # job side
+  [ "$1" = full ] && [ "$FULL_WEIGHTS" = bf16 ] || return 0
+  if [ "$2" = replica ]; then echo --torch-dtype bfloat16; else echo --weights-bf16; fi
+}
 GRAD_ACCUM=${GRAD_ACCUM:-1}
 LR=${LR:-3e-4}
 HELDOUT=${HELDOUT:-16}
@@ -155,7 +163,7 @@ run_replica() {  # job out
   rm -rf "$2"
   # shellcheck disable=SC2046,SC2086
   timed "$2" "$BIN" llm --train --model "$MODEL" --data-path "$DATA" --project-name "$2" --trainer sft \
-    $(peft_args "$1" replica) --device "$DEVICE" --nproc-per-node "$WORLD" \
+    $(peft_args "$1" replica) $(weights_args "$1" replica) --device "$DEVICE" --nproc-per-node "$WORLD" \
     $([ "$DEVICE" = cpu ] && echo --threads-per-worker 1) --batch-size "$BATCH" \
     --gradient-accumulation "$GRAD_ACCUM" --max-steps "$STEPS" --block-size "$BLOCK" --packing true --shuffle false \
     --checkpoint-every 0 --logging-steps 1 --mixed-precision $PRECISION --optimizer adamw --lr "$LR" \
@@ -165,7 +173,7 @@ run_replica() {  # job out
 run_trl() {  # job out
   rm -rf "$2"
   # shellcheck disable=SC2046,SC2086
-  timed "$2" "$PY" $SIDE train --model "$MODEL" --data "$DATA/train.jsonl" --out "$2" $(peft_args "$1" trl) \
+  timed "$2" "$PY" $SIDE train --model "$MODEL" --data "$DATA/train.jsonl" --out "$2" $(peft_args "$1" trl) $(weights_args "$1" trl) \
     --steps "$STEPS" --lr "$LR" --world "$WORLD" --batch "$BATCH" --grad-accum "$GRAD_ACCUM" --block "$BLOCK" \
     --device "$DEVICE" --seed 42 $BF16 ${TRL_ARGS:-}
 }
@@ -184,7 +192,7 @@ median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 busy() { ps -eo comm= | grep -cE '^(cc1plus|ninja|ld|c\+\+|clang|make)$' || true; }
 
 echo "# $(date -u +%FT%TZ) load: $(cut -d' ' -f1-3 /proc/loadavg)  compilers running: $(busy)  replica: $(sha256sum "$BIN" | cut -c1-12)"
-echo "# DEVICE=$DEVICE model $SHAPE ($PARAMS parameters) STEPS=$STEPS WARMUP=$WARMUP BLOCK=$BLOCK BATCH=$BATCH GRAD_ACCUM=$GRAD_ACCUM WORLD=$WORLD LR=$LR precision $PRECISION"
+echo "# DEVICE=$DEVICE model $SHAPE ($PARAMS parameters) STEPS=$STEPS WARMUP=$WARMUP BLOCK=$BLOCK BATCH=$BATCH GRAD_ACCUM=$GRAD_ACCUM WORLD=$WORLD LR=$LR precision $PRECISION, full fine-tuning weights $FULL_WEIGHTS"
 mem_name=rss_MiB; [ "$DEVICE" = cuda ] && mem_name=alloc_MiB
 printf "%-5s %5s %-8s %10s %8s %8s %10s %7s %7s\n" job round side "tokens/s" tokens seconds "$mem_name" "wall_s" "cpu_s"
 declare -A RT TT RM TM
