@@ -1,6 +1,6 @@
 // Tokens/s of a full training step (forward, loss, backward, AdamW) of a Llama, against the
 // same model in PyTorch eager (bench/llama_step.py), on the CPU or a GPU.
-// usage: bench_llama_step [--batch 4 --seq 256 --steps 10 --warmup 2 --threads 1 --profile FILE]
+// usage: bench_llama_step [--batch 4 --seq 256 --steps 10 --warmup 2 --threads 1 --profile FILE --segments N]
 //                         [--device cpu|cuda] [--dtype fp32|bf16|fp16|bf16-weights] [--preset small|500m] [--peak-tflops T]
 // --profile writes a Chrome trace of the timed steps (per-op times; bench/op_times.py sums them).
 // --dtype bf16 runs forward and backward under bf16 autocast with fp32 weights and optimizer
@@ -62,6 +62,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--preset", preset, "small (20M) or 500m")->check(CLI::IsMember({"small", "500m"}))->capture_default_str();
   app.add_option("--peak-tflops", peak_tflops, "The device's peak TFLOP/s: prints MFU");
+  int segments = 0;
+  app.add_option("--segments", segments,
+                 "Pack each row as this many samples of equal length (segment ids; 0: one causal row). "
+                 "REPLICA_PACKED_ATTENTION=mask|varlen picks the packed attention path")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   const torch::Device device = device_name == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
   if (device.is_cuda() && !torch::cuda::is_available()) {
@@ -91,12 +96,21 @@ int main(int argc, char** argv) {
   auto& opt = *optimizer;
   auto gen = at::detail::createCPUGenerator(1);
   torch::Tensor loss;
+  // Packed rows: segment s of a row is tokens [s * seq / segments, (s + 1) * seq / segments).
+  torch::Tensor segment_ids, device_segments;
+  if (segments > 0) {
+    segment_ids = (torch::arange(seq, torch::kInt64) * segments).div(seq, "floor").expand({batch, seq}).contiguous();
+    device_segments = segment_ids.to(device);
+  }
   auto step = [&] {
-    auto ids = torch::randint(0, config.vocab_size, {batch, seq}, gen).to(device);
+    auto host_ids = torch::randint(0, config.vocab_size, {batch, seq}, gen);
+    // As the trainer's workloads: ids checked and the packed layout computed on the host.
+    const auto facts = replica::models::host_batch_facts(host_ids, segment_ids, config.vocab_size, device, "ids");
+    auto ids = host_ids.to(device);
     for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
     at::autocast::set_autocast_enabled(device.type(), bf16);
     if (bf16) at::autocast::set_autocast_dtype(device.type(), autocast_dtype);
-    loss = replica::models::causal_lm_loss(model->forward(ids), ids);
+    loss = replica::models::causal_lm_loss(model->forward(ids, {}, device_segments, facts), ids, device_segments);
     at::autocast::set_autocast_enabled(device.type(), false);
     if (bf16) at::autocast::clear_cache();
     loss.backward();
@@ -138,6 +152,10 @@ int main(int argc, char** argv) {
   if (peak_tflops > 0) std::printf(" mfu=%.3f", 6.0 * params * tokens_per_s / (peak_tflops * 1e12));
   // Which library multiplied the layers' weights on the CPU (core/cpu_gemm.h; REPLICA_CPU_GEMM).
   if (device_name == "cpu") std::printf(" gemm=%s", replica::cpu_gemm_is_openblas() ? "openblas" : "aten");
+  if (segments > 0) {
+    std::printf(" segments=%d packed_attention=%s", segments,
+                replica::models::to_string(replica::models::packed_attention_mode()));
+  }
   std::printf("\n");
   return 0;
 }

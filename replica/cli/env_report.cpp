@@ -6,6 +6,7 @@
 #include "replica/distributed/process_group.h"
 #include "replica/distributed/shm_allreduce.h"
 #include "replica/models/fused_ops.h"
+#include "replica/models/varlen_attention.h"
 #include "replica/models/linear.h"
 
 #include <ATen/Context.h>
@@ -249,6 +250,10 @@ std::string env_report(bool json) {
                      !models::fused_cpu_kernels_available() ? "no (needs AVX2 and FMA)"
                      : models::fused_kernels_for(at::zeros({1})) ? "yes (AVX2 + FMA)"
                                                                      : "off");
+  out += fmt::format("packed attention:    {} (REPLICA_PACKED_ATTENTION=varlen|mask forces)\n",
+                     models::packed_attention_mode() == models::PackedAttentionMode::kAuto
+                         ? "auto (CUDA: flash varlen in fp16/bf16, else the mask; CPU: a loop over segments)"
+                         : models::to_string(models::packed_attention_mode()));
   out += fmt::format("shm reduce kernels:  {} (REPLICA_SHM_REDUCE=portable|avx2|avx512 forces)\n",
                      distributed::shm_reduce_kernels_name(distributed::shm_reduce_kernels()));
   out += "backends:\n";

@@ -105,7 +105,16 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, con
   return (x * c) + (rotate_half(x) * s);
 }
 
-void check_token_ids(const torch::Tensor& ids, int64_t vocab_size, const char* what) {
+}  // namespace
+
+// Note [token ids checked on the host]
+// An id outside [0, vocab_size) reaching the embedding is a device-side assert on a GPU (the
+// CUDA context is lost, and the message names no input), so the ids are checked first. The check
+// needs their bounds on the host: for ids on a GPU a device-to-host copy, which waits for every
+// kernel queued before it, once per forward. The workloads build their batches on the host, so
+// they check there before the copy to the device (host_batch_facts) and tell the model
+// (BatchFacts::ids_checked); a caller who says nothing keeps the model's own check.
+void check_token_ids(const torch::Tensor& ids, int64_t vocab_size, const std::string& what) {
   if (ids.numel() == 0) return;
   // Both bounds in one transfer: one wait for the device where the ids are on a GPU.
   const auto [min, max] = torch::aminmax(ids);
@@ -117,7 +126,15 @@ void check_token_ids(const torch::Tensor& ids, int64_t vocab_size, const char* w
   }
 }
 
-}  // namespace
+BatchFacts host_batch_facts(const torch::Tensor& input_ids, const torch::Tensor& segment_ids, int64_t vocab_size,
+                            const torch::Device& device, const std::string& what) {
+  if (!input_ids.is_cpu()) fail("host_batch_facts: {} must be the host copy, got a {} tensor", what, input_ids.device().str());
+  BatchFacts facts;
+  check_token_ids(input_ids, vocab_size, what);
+  facts.ids_checked = true;
+  if (segment_ids.defined()) facts.packed = packed_layout(segment_ids, device);
+  return facts;
+}
 
 // ---------------------------------------------------------------------------------------
 // Config
@@ -598,12 +615,17 @@ bool grouped_kv_takes_the_math_kernel(const torch::Tensor& q, const torch::Tenso
 // the result equals eager's within float rounding (1e-6 on the model tests) and in bf16 it
 // equals transformers' own sdpa path (the eager path rounds the probabilities to bf16 before
 // multiplying by v; the two differ by about one bf16 ulp of a logit). Plain causal attention
-// passes no mask (is_causal); packed sequences and sliding-window layers pass their
-// [B, 1, T, T] bool mask (as transformers' sdpa path does for a sliding window). On the LLM
-// step benchmark (bench/llama_step, 5 layers, 4 x 256 tokens, one CPU thread) it takes about
+// passes no mask (is_causal); sliding-window layers pass their [B, 1, T, T] bool mask (as
+// transformers' sdpa path does for a sliding window). Packed sequences take the varlen path
+// without a mask (varlen_attention.h: FlashAttention-2 over cumulative sequence lengths on
+// CUDA, a causal call per segment on the CPU) or, where that path does not apply (sliding
+// windows, GPT-OSS's sinks, attention dropout, CUDA without the flash kernel) or
+// REPLICA_PACKED_ATTENTION=mask says so, their block-diagonal causal mask: one function decides
+// (choose_packed_attention, Note [packed attention] in varlen_attention.cpp), and the mask is
+// built only when a layer takes it (AttentionRows). On the LLM step benchmark (bench/llama_step, 5 layers, 4 x 256 tokens, one CPU thread) it takes about
 // 14 ms per layer less than the three-step path, forward and backward.
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                          const torch::Tensor& sin, const torch::Tensor& allowed) {
+                                          const torch::Tensor& sin, const AttentionRows& rows) {
   const int64_t B = x.size(0), T = x.size(1);
   auto q = q_proj(x);
   auto k = k_proj(x);
@@ -654,13 +676,52 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
   // kernel]. Grouped-query attention: each key/value head serves num_heads / num_kv_heads
   // query heads (enable_gqa, HF's repeat_kv without the copies).
   const double dropout = attention_dropout_ > 0 && is_training() ? attention_dropout_ : 0.0;
+  // The dtype the kernel computes in: autocast's where it is on for q's device (it casts
+  // attention's operands), else q's.
+  const auto device = q.device().type();
+  const auto attention_dtype = (q.is_cpu() || q.is_cuda()) && at::autocast::is_autocast_enabled(device)
+                                   ? at::autocast::get_autocast_dtype(device)
+                                   : q.scalar_type();
+  const bool fp16_through_fp32 = q.is_cpu() && attention_dtype == torch::kHalf && cpu_fp16_through_fp32();
+  // Packed rows: the mask or the varlen path, decided in one place (Note [packed attention]).
+  PackedAttention packed_path = PackedAttention::kMask;
+  torch::Tensor qa, ka, va;  // q, k, v in attention_dtype, for the flash kernel (which autocast does not cast for)
+  if (rows.packed() != nullptr && rows.packed()->defined()) {
+    PackedAttentionCall call;
+    call.sliding = rows.sliding();
+    call.sinks = sinks.defined();
+    call.dropout = dropout;
+    call.cuda = q.is_cuda();
+    if (call.cuda) {
+      qa = q.to(attention_dtype), ka = k.to(attention_dtype), va = v.to(attention_dtype);
+      call.flash_takes = flash_varlen_takes(qa, ka, va, scaling_);
+    }
+    packed_path = choose_packed_attention(call);
+  }
   if (sinks.defined()) {
     // GPT-OSS: the sink column in every softmax (attention_sinks.h: the eager path, as transformers).
-    auto out = attention_with_sinks(q, k, v, allowed, sinks, scaling_, dropout, is_training());
+    auto out = attention_with_sinks(q, k, v, rows.mask(), sinks, scaling_, dropout, is_training());
     return o_proj(out.transpose(1, 2).reshape({B, T, num_heads_ * head_dim_}));
   }
-  const bool causal = !allowed.defined();
-  const auto mask = causal ? std::optional<at::Tensor>() : std::optional<at::Tensor>(allowed);
+  if (packed_path != PackedAttention::kMask) {
+    // [B, heads, T, D] -> the rows' tokens in one stream, [B T, heads, D] (a view where the
+    // fused rotary wrote [B, T, heads, D]).
+    auto stream = [&](const torch::Tensor& t) { return t.transpose(1, 2).reshape({B * T, t.size(1), head_dim_}); };
+    torch::Tensor out;
+    if (packed_path == PackedAttention::kFlashVarlen) {
+      out = varlen_attention(stream(qa), stream(ka), stream(va), *rows.packed(), scaling_, packed_path);
+    } else if (fp16_through_fp32) {
+      // As the mask path below (Note [fp16 attention through fp32 on CPUs without fp16 arithmetic]).
+      const auto f32 = [&](const torch::Tensor& t) { return stream(t).to(torch::kHalf).to(torch::kFloat32); };
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+      out = varlen_attention(f32(q), f32(k), f32(v), *rows.packed(), scaling_, packed_path).to(torch::kHalf);
+    } else {
+      out = varlen_attention(stream(q), stream(k), stream(v), *rows.packed(), scaling_, packed_path);
+    }
+    return o_proj(out.reshape({B, T, num_heads_ * head_dim_}));
+  }
+  const bool causal = rows.causal();
+  const auto mask = causal ? std::optional<at::Tensor>() : std::optional<at::Tensor>(rows.mask());
   bool gqa = num_heads_ != num_kv_heads_;
   if (gqa && grouped_kv_takes_the_math_kernel(q, k, v, mask, dropout, causal, scaling_)) {
     // Note [grouped-query attention and the math kernel]: the key/value heads repeated, as
@@ -671,11 +732,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const torch::T
     gqa = false;
   }
   torch::Tensor out;
-  // The dtype the kernel computes in: CPU autocast's (it casts attention's operands), else q's.
-  const auto attention_dtype = q.is_cpu() && at::autocast::is_autocast_enabled(at::kCPU)
-                                   ? at::autocast::get_autocast_dtype(at::kCPU)
-                                   : q.scalar_type();
-  if (q.is_cpu() && attention_dtype == torch::kHalf && cpu_fp16_through_fp32()) {
+  if (fp16_through_fp32) {
     // Note [fp16 attention through fp32 on CPUs without fp16 arithmetic]
     // ATen's CPU flash kernel multiplies fp16 with its generic GEMM loop on a CPU without
     // AVX512-FP16 / AMX-FP16: 6.8x the fp32 kernel's time, forward and backward, on the LLM step
@@ -740,18 +797,18 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, torch::Scalar
 }
 
 torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                             const torch::Tensor& sin, const torch::Tensor& allowed) {
+                                             const torch::Tensor& sin, const AttentionRows& rows) {
   switch (layout_) {
     case BlockLayout::kPreNorm: {  // LlamaDecoderLayer
-      auto h = x + self_attn(input_layernorm(x), cos, sin, allowed);
+      auto h = x + self_attn(input_layernorm(x), cos, sin, rows);
       return h + feed_forward(post_attention_layernorm(h));
     }
     case BlockLayout::kPostNorm: {  // Olmo2DecoderLayer / Olmo3DecoderLayer
-      auto h = x + post_attention_layernorm(self_attn(x, cos, sin, allowed));
+      auto h = x + post_attention_layernorm(self_attn(x, cos, sin, rows));
       return h + post_feedforward_layernorm(feed_forward(h));
     }
     case BlockLayout::kSandwich: {  // Gemma3DecoderLayer
-      auto h = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin, allowed));
+      auto h = x + post_attention_layernorm(self_attn(input_layernorm(x), cos, sin, rows));
       return h + post_feedforward_layernorm(feed_forward(pre_feedforward_layernorm(h)));
     }
   }
@@ -770,8 +827,36 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, torch::ScalarType dtype, bo
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.norm_style));
 }
 
+namespace {
+
+// Whether a packed forward given no layout computes one (from segment_ids on a GPU, a
+// device-to-host copy): only where a layer could take the varlen path. Under `auto` that is
+// off CUDA (the loop) and CUDA in fp16 or bf16 (the flash kernel takes no other dtype); the
+// layer decides the rest (choose_packed_attention).
+bool varlen_could_take(const torch::Tensor& h) {
+  const auto mode = packed_attention_mode();
+  if (mode != PackedAttentionMode::kAuto) return mode == PackedAttentionMode::kVarlen;
+  if (!h.is_cuda()) return true;
+  const auto dtype = at::autocast::is_autocast_enabled(at::kCUDA) ? at::autocast::get_autocast_dtype(at::kCUDA)
+                                                                   : h.scalar_type();
+  return dtype == torch::kHalf || dtype == torch::kBFloat16;
+}
+
+}  // namespace
+
+AttentionRows::AttentionRows(std::function<torch::Tensor()> build, std::shared_ptr<const PackedLayout> packed,
+                             bool sliding)
+    : build_(std::move(build)), mask_(std::make_shared<torch::Tensor>()), packed_(std::move(packed)), sliding_(sliding) {}
+
+const torch::Tensor& AttentionRows::mask() const {
+  static const torch::Tensor kCausal;  // no mask
+  if (!build_) return kCausal;
+  if (!mask_->defined()) *mask_ = build_();
+  return *mask_;
+}
+
 torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                                      const torch::Tensor& segment_ids) {
+                                      const torch::Tensor& segment_ids, const PackedLayout& packed) {
   const int64_t B = input_ids.size(0), T = input_ids.size(1);
   const auto device = input_ids.device();
   router_scores_.clear();
@@ -779,14 +864,11 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
 
   // Which key positions each query position may attend to: causal (j <= i; left undefined,
   // the attention kernel's is_causal) and, when packing, only within its own segment:
-  // [B, 1, T, T] of bool.
+  // [B, 1, T, T] of bool, built when a layer first asks for it (AttentionRows).
   auto idx = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(device));
-  torch::Tensor allowed;
-  torch::Tensor same_segment;  // [B, T, T]
   torch::Tensor positions = position_ids;
+  std::shared_ptr<const PackedLayout> layout;
   if (segment_ids.defined()) {
-    same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);
-    allowed = (idx.view({T, 1}) >= idx.view({1, T})).unsqueeze(0).logical_and(same_segment).unsqueeze(1);
     if (!positions.defined()) {
       // Positions restart at 0 at each segment start: t - (index of the segment's first token).
       auto is_start = torch::ones({B, T}, torch::TensorOptions().dtype(torch::kBool).device(device));
@@ -794,15 +876,35 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
       auto start = torch::where(is_start, idx.expand({B, T}), torch::zeros_like(idx)).cummax(1);
       positions = idx.expand({B, T}) - std::get<0>(start);
     }
+    if (packed.defined()) {
+      layout = std::make_shared<const PackedLayout>(packed);
+    } else if (varlen_could_take(h)) {
+      layout = std::make_shared<const PackedLayout>(packed_layout(segment_ids, device));
+    }
   }
   if (!positions.defined()) positions = idx.unsqueeze(0).expand({B, T});
+  AttentionRows rows;
+  if (segment_ids.defined()) {
+    rows = AttentionRows(
+        [segment_ids, idx, T] {
+          auto same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);  // [B, T, T]
+          return (idx.view({T, 1}) >= idx.view({1, T})).unsqueeze(0).logical_and(same_segment).unsqueeze(1);
+        },
+        layout, /*sliding=*/false);
+  }
   // Sliding-window layers: also j > i - sliding_window (transformers' sliding_window_overlay
   // on the token indices); a window covering the sequence is plain causal attention.
-  torch::Tensor allowed_sliding = allowed;
+  AttentionRows sliding_rows = rows;
   if (config_.sliding_window && T > *config_.sliding_window) {
-    auto distance = idx.view({T, 1}) - idx.view({1, T});  // i - j
-    auto band = distance.ge(0).logical_and(distance.lt(*config_.sliding_window)).unsqueeze(0);  // [1, T, T]
-    allowed_sliding = (same_segment.defined() ? band.logical_and(same_segment) : band).unsqueeze(1);
+    const int64_t window = *config_.sliding_window;
+    sliding_rows = AttentionRows(
+        [segment_ids, idx, T, window] {
+          auto distance = idx.view({T, 1}) - idx.view({1, T});  // i - j
+          auto band = distance.ge(0).logical_and(distance.lt(window)).unsqueeze(0);  // [1, T, T]
+          if (segment_ids.defined()) band = band.logical_and(segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1));
+          return band.unsqueeze(1);
+        },
+        layout, /*sliding=*/true);
   }
 
   // Olmo rotates in fp32 (its rotary returns fp32 cos/sin); the others in the compute dtype.
@@ -815,7 +917,7 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids, const torc
     const bool slides = decoder->slides();
     const auto& c = slides ? local_cos : cos;
     const auto& s = slides ? local_sin : sin;
-    const auto& mask = slides ? allowed_sliding : allowed;
+    const auto& mask = slides ? sliding_rows : rows;
     const bool collect = collect_router_scores_ && !decoder->moe.is_empty();
     h = run_layer(*layer, [&] {
       if (!recompute_layers_) {
@@ -869,7 +971,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config, torch::Sca
 }
 
 torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                                            const torch::Tensor& segment_ids) {
+                                            const torch::Tensor& segment_ids, const BatchFacts& facts) {
   if (input_ids.dim() != 2) fail("LlamaForCausalLM: input_ids must be [batch, seq], got shape {}",
                                  c10::str(input_ids.sizes()));
   if (!at::isIntegralType(input_ids.scalar_type(), /*includeBool=*/false)) {
@@ -881,10 +983,10 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, cons
            c10::str(t->sizes()), c10::str(input_ids.sizes()));
     }
   }
-  check_token_ids(input_ids, config_.vocab_size, "LlamaForCausalLM input_ids");
+  if (!facts.ids_checked) check_token_ids(input_ids, config_.vocab_size, "LlamaForCausalLM input_ids");
 
   auto ids = input_ids.to(torch::kInt64);
-  auto h = model(ids, position_ids.defined() ? position_ids.to(torch::kInt64) : position_ids, segment_ids);
+  auto h = model(ids, position_ids.defined() ? position_ids.to(torch::kInt64) : position_ids, segment_ids, facts.packed);
   // The output head: hidden -> vocabulary logits (tied: the embedding matrix itself, unscaled).
   auto logits = lm_head.is_empty()
                     ? run_layer(*model->embed_tokens, [&] { return model->embed_tokens->as_head(h); })
@@ -898,7 +1000,8 @@ torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids, cons
 }
 
 TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const torch::Tensor& labels,
-                                         const torch::Tensor& segment_ids, int64_t chunk_tokens) {
+                                         const torch::Tensor& segment_ids, int64_t chunk_tokens,
+                                         const BatchFacts& facts) {
   const bool plain_head = !config_.final_logit_softcapping && (lm_head.is_empty() || !lm_head->has_lora());
   // transformers' load-balancing loss counts the tokens of its attention mask: not the pads
   // (segment -1, tasks/llm_sft/llm_sft.h).
@@ -906,13 +1009,13 @@ TokenLoss LlamaForCausalLMImpl::loss_sum(const torch::Tensor& input_ids, const t
     parts.aux = router_aux_loss(segment_ids.defined() ? segment_ids.ge(0) : torch::Tensor());
     return parts;
   };
-  if (!plain_head) return with_aux(causal_lm_loss_sum(forward(input_ids, {}, segment_ids), labels, segment_ids));
+  if (!plain_head) return with_aux(causal_lm_loss_sum(forward(input_ids, {}, segment_ids, facts), labels, segment_ids));
   if (labels.sizes() != input_ids.sizes()) {
     fail("LlamaForCausalLM::loss_sum: labels shape {} does not match input_ids {}", c10::str(labels.sizes()),
          c10::str(input_ids.sizes()));
   }
-  check_token_ids(input_ids, config_.vocab_size, "LlamaForCausalLM input_ids");
-  auto h = model(input_ids.to(torch::kInt64), torch::Tensor(), segment_ids);
+  if (!facts.ids_checked) check_token_ids(input_ids, config_.vocab_size, "LlamaForCausalLM input_ids");
+  auto h = model(input_ids.to(torch::kInt64), torch::Tensor(), segment_ids, facts.packed);
   auto targets = causal_lm_targets(labels, segment_ids).view({-1});
   auto flat = h.reshape({-1, h.size(-1)});
   // A chunk's logits, their exp and its gradient are the step's largest transients: 32 MiB of

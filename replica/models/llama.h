@@ -39,12 +39,15 @@
 #include "replica/models/lora.h"
 #include "replica/models/moe.h"
 #include "replica/models/rope_yarn.h"
+#include "replica/models/varlen_attention.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -217,13 +220,34 @@ class RotaryEmbedding {
   double attention_scaling_ = 1.0;  // yarn's attention factor
 };
 
+// Which keys each query of a forward's rows may attend to, as the attention layers see it:
+// plain causal (the default), or a [B, 1, T, T] bool mask (true = may attend) built on first
+// use, so that a forward whose packed layers all take the varlen path (varlen_attention.h) never
+// builds it; with packed rows also their layout. Copies share the built mask.
+class AttentionRows {
+ public:
+  AttentionRows() = default;
+  // build: makes the mask; packed: the rows' layout (null: not packed, or no layout); sliding:
+  // the mask is a sliding window narrower than the row.
+  AttentionRows(std::function<torch::Tensor()> build, std::shared_ptr<const PackedLayout> packed, bool sliding);
+  bool causal() const { return !build_; }
+  const torch::Tensor& mask() const;  // undefined when causal()
+  const PackedLayout* packed() const { return packed_.get(); }
+  bool sliding() const { return sliding_; }
+
+ private:
+  std::function<torch::Tensor()> build_;
+  std::shared_ptr<torch::Tensor> mask_;
+  std::shared_ptr<const PackedLayout> packed_;
+  bool sliding_ = false;
+};
+
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init);
-  // x [B, T, H]; cos/sin [B, T, D]; allowed [B, 1, T, T] bool (true = may attend), or
-  // undefined for plain causal attention.
+  // x [B, T, H]; cos/sin [B, T, D]; rows: causal, or the mask (and packed layout) of the rows.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& allowed);
+                        const AttentionRows& rows);
   LoraLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   RMSNorm q_norm{nullptr}, k_norm{nullptr};  // qwen3, olmo, gemma3
   torch::Tensor sinks;                       // gpt_oss: [heads]
@@ -258,7 +282,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   LlamaDecoderLayerImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init, int64_t index = 0);
   // cos/sin and the mask are the ones for this layer's kind (LlamaModel picks them).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& allowed);
+                        const AttentionRows& rows);
   bool slides() const { return slides_; }
   // The router scores [B T, E] of the last forward (mixture-of-experts layers; else undefined).
   torch::Tensor router_scores() const { return moe.is_empty() ? torch::Tensor() : moe->last_router_scores(); }
@@ -281,9 +305,11 @@ TORCH_MODULE(LlamaDecoderLayer);
 class LlamaModelImpl : public torch::nn::Module, public HookedLayers {
  public:
   LlamaModelImpl(const LlamaConfig& config, torch::ScalarType dtype, bool init);
-  // Returns the final hidden states [B, T, H] (after model.norm).
+  // Returns the final hidden states [B, T, H] (after model.norm). packed: packed_layout of
+  // segment_ids' host copy (varlen_attention.h); when undefined and the varlen path could be
+  // taken it is computed from segment_ids (one device-to-host copy where they are on a GPU).
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids,
-                        const torch::Tensor& segment_ids);
+                        const torch::Tensor& segment_ids, const PackedLayout& packed = {});
   // embed_tokens, each decoder layer, norm.
   std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;
   // Activation checkpointing of every decoder layer (models/recompute.h): off by default.
@@ -319,6 +345,24 @@ struct TokenLoss {
   torch::Tensor aux;
 };
 
+// What a caller established about a micro-batch from its host copy before moving it to the
+// device, so that the model asks the device nothing about it (a device-to-host copy is a host
+// wait per forward on a GPU). host_batch_facts makes it; an empty one (the default) makes the
+// model check and derive these itself.
+struct BatchFacts {
+  bool ids_checked = false;  // input_ids were checked against vocab_size (check_token_ids)
+  PackedLayout packed;       // packed_layout of segment_ids (undefined: no segment ids)
+};
+
+// replica::Error "WHAT: token id X is out of range for vocab_size V" unless every id of ids is
+// in [0, vocab_size). On CPU ids no wait; on device ids one device-to-host copy.
+void check_token_ids(const torch::Tensor& ids, int64_t vocab_size, const std::string& what);
+
+// For workloads, on a batch built on the host and before it is moved to `device`: the ids
+// checked (check_token_ids, WHAT names them in the error) and segment_ids' layout (if defined).
+BatchFacts host_batch_facts(const torch::Tensor& input_ids, const torch::Tensor& segment_ids, int64_t vocab_size,
+                            const torch::Device& device, const std::string& what);
+
 class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
  public:
   // Parameters in `dtype`; init = HF's _init_weights (normal(0, initializer_range) for linear
@@ -331,15 +375,18 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
   // position_ids [B, T] (optional, undefined = 0..T-1, or restarting at 0 in each segment
   //   when segment_ids are given).
   // segment_ids [B, T] (optional): packed samples; a token attends only to earlier tokens
-  //   of the same segment (block-diagonal causal mask). Segments must be contiguous runs.
+  //   of the same segment (block-diagonal causal mask, or on a GPU the varlen kernel: Note
+  //   [packed attention] in varlen_attention.cpp). Segments must be contiguous runs.
   //   Padding, on either side of a row, is a segment of its own (tasks/llm_sft/llm_sft.h gives it
   //   -1): no sample's token attends to it, each pad attends to pads (never to nothing), and
   //   positions restart at 0 at the first token after left padding, as transformers'
   //   position_ids from the attention mask do. Sliding-window layers also keep each token to
   //   the last sliding_window tokens of its segment (counted by index, as transformers does).
+  // facts: what the caller checked and computed on the host (BatchFacts); without them the
+  //   ids are checked here (one device-to-host copy for ids on a GPU).
   // Returns logits [B, T, V] in the compute dtype (softcapped where the config says).
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& position_ids = {},
-                        const torch::Tensor& segment_ids = {});
+                        const torch::Tensor& segment_ids = {}, const BatchFacts& facts = {});
 
   // causal_lm_loss_sum(forward(input_ids, {}, segment_ids), labels, segment_ids) without the
   // [B, T, V] logits where the head is a plain matrix (no LoRA adapter on it, no softcapping;
@@ -347,7 +394,7 @@ class LlamaForCausalLMImpl : public torch::nn::Module, public HookedLayers {
   // (chunked_cross_entropy.h; 0: as many as make 32 MiB of fp32 logits, at least 64).
   // Otherwise exactly that expression.
   TokenLoss loss_sum(const torch::Tensor& input_ids, const torch::Tensor& labels,
-                     const torch::Tensor& segment_ids = {}, int64_t chunk_tokens = 0);
+                     const torch::Tensor& segment_ids = {}, int64_t chunk_tokens = 0, const BatchFacts& facts = {});
 
   // The decoder's layers, then lm_head (untied); the tied head reuses embed_tokens.
   std::vector<std::shared_ptr<torch::nn::Module>> hooked_layers() override;

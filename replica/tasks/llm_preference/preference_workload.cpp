@@ -49,8 +49,9 @@ class RewardModelImpl : public torch::nn::Module, public models::HookedLayers {
   }
   // Scores [N] (fp32) of each row's last token whose id is not pad_id (transformers' rule, so a
   // pad_id equal to EOS scores the token before a final EOS, as there).
-  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& segment_ids, int64_t pad_id) {
-    auto hidden = model->forward(ids, {}, segment_ids);  // [N, T, H]
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& segment_ids, int64_t pad_id,
+                        const models::PackedLayout& packed = {}) {
+    auto hidden = model->forward(ids, {}, segment_ids, packed);  // [N, T, H]
     const int64_t T = ids.size(1);
     auto positions = torch::arange(T, ids.options());
     auto last = (positions.unsqueeze(0) * ids.ne(pad_id).to(torch::kInt64)).argmax(-1);  // [N]
@@ -340,25 +341,22 @@ class PreferenceWorkload final : public train::Workload {
   }
 
   // [chosen of each pair, then rejected of each pair], right-padded.
-  SequenceBatch batch_of(const SequencePairs& pairs, const std::vector<int64_t>& indices) const {
+  DeviceSequenceBatch batch_of(const SequencePairs& pairs, const std::vector<int64_t>& indices) const {
     std::vector<ScoredSequence> seqs;
     for (int64_t i : indices) seqs.push_back(pairs.at(static_cast<size_t>(i)).first);
     for (int64_t i : indices) seqs.push_back(pairs.at(static_cast<size_t>(i)).second);
-    SequenceBatch b = make_sequence_batch(seqs, pad_id_);
-    b.ids = context_.on_device(b.ids);
-    b.completion = context_.on_device(b.completion);
-    b.segment_ids = context_.on_device(b.segment_ids);
-    return b;
+    return to_device(make_sequence_batch(seqs, pad_id_), llm_->config().vocab_size, context_);
   }
 
   PreferenceLoss loss_of(const SequencePairs& pairs, const std::vector<int64_t>& indices) {
     const int64_t n = static_cast<int64_t>(indices.size());
-    const SequenceBatch b = batch_of(pairs, indices);
+    const DeviceSequenceBatch d = batch_of(pairs, indices);
+    const SequenceBatch& b = d.batch;
     if (trainer_ == Trainer::Reward) {
-      auto scores = reward_->forward(b.ids, b.segment_ids, pad_id_);
+      auto scores = reward_->forward(b.ids, b.segment_ids, pad_id_, d.facts.packed);
       return reward_loss(scores.narrow(0, 0, n), scores.narrow(0, n, n));
     }
-    auto logits = llm_->forward(b.ids, {}, b.segment_ids);
+    auto logits = llm_->forward(b.ids, {}, b.segment_ids, d.facts);
     const SequenceLogps lp = completion_logps(logits, b);
     logits = torch::Tensor();
     auto chosen = lp.sum.narrow(0, 0, n), rejected = lp.sum.narrow(0, n, n);
@@ -369,10 +367,10 @@ class PreferenceWorkload final : public train::Workload {
         // The reference's log-probabilities, once per batch, without gradient.
         torch::NoGradGuard no_grad;
         if (!reference_.is_empty()) {
-          ref = completion_logps(reference_->forward(b.ids, {}, b.segment_ids), b).sum;
+          ref = completion_logps(reference_->forward(b.ids, {}, b.segment_ids, d.facts), b).sum;
         } else {
           models::AdaptersDisabled base_only;
-          ref = completion_logps(llm_->forward(b.ids, {}, b.segment_ids), b).sum;
+          ref = completion_logps(llm_->forward(b.ids, {}, b.segment_ids, d.facts), b).sum;
         }
       }
       out = dpo_loss(chosen, rejected, ref.narrow(0, 0, n), ref.narrow(0, n, n), beta_);
@@ -422,6 +420,18 @@ void check_preference_config(const RunConfig& config) {
            block_size, llm_params(config).max_prompt_length);
     }
   }
+}
+
+DeviceSequenceBatch to_device(const SequenceBatch& host, int64_t vocab_size, const train::WorkloadContext& context) {
+  // Note [token ids checked on the host] (models/llama.cpp); the layout: Note [packed attention].
+  DeviceSequenceBatch d;
+  d.facts = models::host_batch_facts(host.ids, host.segment_ids, vocab_size, context.device,
+                                     "llm preference batch ids");
+  d.batch = host;
+  d.batch.ids = context.on_device(host.ids);
+  d.batch.completion = context.on_device(host.completion);
+  d.batch.segment_ids = context.on_device(host.segment_ids);
+  return d;
 }
 
 std::unique_ptr<train::Workload> make_preference_workload(const RunConfig& config, const WorkloadContext& context) {

@@ -382,16 +382,18 @@ class LlmSft final : public Workload {
   int64_t tokens_in(const std::vector<int64_t>& indices) const override { return train_.tokens_in(indices); }
 
   torch::Tensor train_loss_sum(const std::vector<int64_t>& indices) override {
-    const PackedBatch b = on_device(make_packed_batch(train_.samples, train_.rows, indices, pad_id_, settings_.pad_left));
+    const DeviceBatch d = batch_of(indices);
+    const PackedBatch& b = d.batch;
     // The head and its loss a chunk of tokens at a time: no [tokens, vocab] logits (llama.h).
-    models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids);
+    models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids, /*chunk_tokens=*/0, d.facts);
     last_aux_ = parts.aux;
     return parts.sum;
   }
   torch::Tensor train_aux_loss() override { return std::exchange(last_aux_, torch::Tensor()); }
   torch::Tensor train_loss(const std::vector<int64_t>& indices) override {
-    const PackedBatch b = on_device(make_packed_batch(train_.samples, train_.rows, indices, pad_id_, settings_.pad_left));
-    const models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids);
+    const DeviceBatch d = batch_of(indices);
+    const PackedBatch& b = d.batch;
+    const models::TokenLoss parts = model_->loss_sum(b.input_ids, b.labels, b.segment_ids, /*chunk_tokens=*/0, d.facts);
     auto loss = parts.sum / parts.count.clamp_min(1).to(torch::kFloat32);
     return parts.aux.defined() ? loss + parts.aux.to(torch::kFloat32) : loss;
   }
@@ -402,10 +404,13 @@ class LlmSft final : public Workload {
     for (int64_t i : indices) {
       const SftSample& s = valid_.at(static_cast<size_t>(i));
       const int64_t n = static_cast<int64_t>(s.ids.size());
-      auto ids = context_.on_device(torch::tensor(std::vector<int64_t>(s.ids.begin(), s.ids.end()), torch::kInt64).view({1, n}));
+      auto host_ids = torch::tensor(std::vector<int64_t>(s.ids.begin(), s.ids.end()), torch::kInt64).view({1, n});
+      const auto facts = models::host_batch_facts(host_ids, {}, model_->config().vocab_size, context_.device,
+                                                  "llm-sft validation input_ids");
+      auto ids = context_.on_device(host_ids);
       auto labels =
           context_.on_device(torch::tensor(std::vector<int64_t>(s.labels.begin(), s.labels.end()), torch::kInt64).view({1, n}));
-      auto logits = model_->forward(ids).to(torch::kFloat32);
+      auto logits = model_->forward(ids, {}, {}, facts).to(torch::kFloat32);
       auto parts = models::causal_lm_loss_sum(logits, labels);
       sums.loss_sum += parts.sum.item<double>();
       sums.tokens += static_cast<double>(parts.count.item<int64_t>());
@@ -458,8 +463,9 @@ class LlmSft final : public Workload {
   }
 
  private:
-  PackedBatch on_device(PackedBatch b) const {
-    return {context_.on_device(b.input_ids), context_.on_device(b.labels), context_.on_device(b.segment_ids)};
+  DeviceBatch batch_of(const std::vector<int64_t>& indices) const {
+    return to_device(make_packed_batch(train_.samples, train_.rows, indices, pad_id_, settings_.pad_left),
+                     model_->config().vocab_size, context_);
   }
 
   RunConfig config_;
@@ -474,6 +480,15 @@ class LlmSft final : public Workload {
 };
 
 }  // namespace
+
+DeviceBatch to_device(const PackedBatch& host, int64_t vocab_size, const WorkloadContext& context) {
+  // Note [token ids checked on the host] (models/llama.cpp); the layout: Note [packed attention].
+  DeviceBatch d;
+  d.facts = models::host_batch_facts(host.input_ids, host.segment_ids, vocab_size, context.device,
+                                     "llm-sft batch input_ids");
+  d.batch = {context.on_device(host.input_ids), context.on_device(host.labels), context.on_device(host.segment_ids)};
+  return d;
+}
 
 std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadContext& context) {
   return std::make_unique<LlmSft>(config, context);

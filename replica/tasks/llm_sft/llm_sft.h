@@ -19,6 +19,7 @@
 #include "replica/train/run_config.h"
 #include "replica/train/task.h"
 #include "replica/models/hf_model_dir.h"
+#include "replica/models/llama.h"
 #include "replica/models/lora.h"
 #include "replica/train/workload.h"
 
@@ -47,6 +48,16 @@ struct LlmSftSettings {
 LlmSftSettings llm_sft_settings(const RunConfig& config);
 
 std::unique_ptr<Workload> make_llm_sft(const RunConfig& config, const WorkloadContext& context);
+
+// A micro-batch for the model: on the context's device, with what the model takes from its host
+// copy instead of asking the device (models::BatchFacts: the ids checked against vocab_size,
+// an out-of-range id named as "llm-sft batch input_ids: token id X is out of range for
+// vocab_size V"; the packed layout of its segment ids).
+struct DeviceBatch {
+  PackedBatch batch;
+  models::BatchFacts facts;
+};
+DeviceBatch to_device(const PackedBatch& host, int64_t vocab_size, const WorkloadContext& context);
 
 // The task's registration: its keys (LlmParams), defaults (AutoTrain's), checks and the SFT
 // workload; the registry adds the preference trainers (replica/tasks/registry.cpp).

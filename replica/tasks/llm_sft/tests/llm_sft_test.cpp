@@ -390,6 +390,50 @@ TEST(LlmSftPacking, RowsKeepAttentionInsideEachSampleAndPadOnlyToTheLongestRow) 
   EXPECT_NEAR(parts.sum.item<double>(), sum, 1e-4);
 }
 
+// The workload's way to the device (to_device): the ids checked on the host copy, an
+// out-of-range id named with the input and vocab_size before anything reaches the model
+// (Note [token ids checked on the host]); the packed layout computed there too, and a model
+// told so computing what it computes on its own (Note [packed attention]).
+TEST(LlmSftPacking, TheBatchIsCheckedAndLaidOutOnTheHostBeforeItMoves) {
+  std::vector<SftSample> samples(3);
+  samples[0].ids = {1, 2, 3};
+  samples[1].ids = {4, 5};
+  samples[2].ids = {6, 7, 8, 9};
+  for (auto& s : samples) s.labels = s.ids;
+  const auto rows = pack_first_fit({3, 2, 4}, 5);  // {0, 1} {2}
+  WorkloadContext context;
+  const DeviceBatch d = to_device(make_packed_batch(samples, rows, {0, 1}, /*pad_id=*/0), 50, context);
+  EXPECT_TRUE(d.facts.ids_checked);
+  // Row 0: samples of 3 and 2; row 1: 4 tokens and one pad.
+  EXPECT_EQ(d.facts.packed.offsets, (std::vector<int64_t>{0, 3, 5, 9, 10}));
+  EXPECT_EQ(d.facts.packed.max_seqlen, 4);
+
+  replica::models::LlamaConfig c;
+  c.vocab_size = 50;
+  c.hidden_size = 32;
+  c.intermediate_size = 64;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  torch::manual_seed(0);
+  replica::models::LlamaForCausalLM model(c);
+  const auto& b = d.batch;
+  const auto told = model->loss_sum(b.input_ids, b.labels, b.segment_ids, 0, d.facts);
+  const auto own = model->loss_sum(b.input_ids, b.labels, b.segment_ids);
+  EXPECT_EQ(told.sum.item<double>(), own.sum.item<double>());
+
+  samples[2].ids[1] = 77;  // past vocab_size 50
+  try {
+    to_device(make_packed_batch(samples, rows, {0, 1}, /*pad_id=*/0), 50, context);
+    ADD_FAILURE() << "an id past vocab_size went through";
+  } catch (const replica::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("llm-sft batch input_ids: token id 77 is out of range for vocab_size 50"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // packing false: one sample per row, padded on the right or on the left to the micro-batch's
 // longest. Each sample's loss (prompt tokens masked as the encoder masks them) and its
 // gradients are those of the sample run alone, on either side; no pad is attended, trained
